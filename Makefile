@@ -1,0 +1,36 @@
+# Two commands on a fresh machine (Python 3.11, pip):
+#   make demo   install everything into .venv and run the main job
+#   make test   install everything into .venv, lint, and run the spec tests (what CI runs)
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+HYPOTHESIS_PROFILE ?= ci
+
+.PHONY: install demo test bench lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# The CPU wheel of torch 2.13.0 is what pip takes here; a bare "torch" would fetch a CUDA build.
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e ".[test,bench]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/kvstack demo
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: install lint
+	$(BIN)/python -m pytest spec_tests -q -m "not slow and not gpu" --hypothesis-profile=$(HYPOTHESIS_PROFILE)
+
+bench: install
+	$(BIN)/kvstack bench core --out bench_results/core
+
+clean:
+	rm -rf $(VENV) bench_results

@@ -1,0 +1,119 @@
+"""torch.compile implementation of ``kvstack.reference.attention.paged_attention``.
+
+Same inputs, outputs and rule as the reference (see its docstring); differences are only in how
+the work is laid out:
+
+* No Python loop over sequences, heads or tokens. The K/V rows are read through ``slots`` inside
+  the compiled kernels (inductor fuses the indexed load into the reduction), so a decode step
+  never materialises the gathered keys.
+* Decode (T_q == 1) is memory-bound: scores are a fused multiply-reduce over head_dim laid out
+  [B, T, H_kv, G], and the value sum is split into chunks of ``CHUNK`` tokens (flash-decoding's
+  split-K) so that the G query heads sharing a KV head re-read a chunk from cache, not from DRAM.
+* Prefill chunks (T_q > 1) are compute-bound and use batched matmuls on the gathered rows.
+
+Recompiles are bounded: the key length is padded with -1 slots to a multiple of ``CHUNK`` and
+every length is marked dynamic (``dynamic=True``), so one graph serves all lengths; besides that
+only dtype, device, head counts and head_dim (and dynamo's 0/1 size specialisation) make new
+graphs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from kvstack.reference.attention import AttentionOutput, check_attention_args
+
+CHUNK = 64  # tokens per split-K chunk of the decode value sum; also the padding granularity
+
+
+def _decode(q, key_cache, value_cache, slots, key_positions, query_positions, scale: float):
+    batch, _, h_q, head_dim = q.shape
+    h_kv = key_cache.shape[2]
+    group = h_q // h_kv
+    t_k = slots.shape[1]
+    key_rows = key_cache.view(-1, h_kv, head_dim)  # [S, H_kv, D]
+    value_rows = value_cache.view(-1, h_kv, head_dim)
+    visible = (slots >= 0) & (key_positions <= query_positions)  # [B, T] (T_q == 1 broadcasts)
+    safe_slots = slots.clamp(min=0)
+
+    q_grouped = q.float().view(batch, 1, h_kv, group, head_dim) * scale  # [B, 1, H_kv, G, D]
+    keys = key_rows[safe_slots].float()  # [B, T, H_kv, D], fused into the reduction below
+    scores = (keys[:, :, :, None, :] * q_grouped).sum(-1)  # [B, T, H_kv, G]
+    scores = scores.masked_fill(~visible[:, :, None, None], -math.inf)
+    lse = torch.logsumexp(scores, dim=1)  # [B, H_kv, G]
+    lse_safe = torch.where(lse == -math.inf, torch.zeros_like(lse), lse)
+    probs = torch.exp(scores - lse_safe[:, None])  # [B, T, H_kv, G]; 0 where masked
+
+    values = value_rows[safe_slots].float().view(batch, t_k // CHUNK, CHUNK, h_kv, 1, head_dim)
+    probs_chunked = probs.view(batch, t_k // CHUNK, CHUNK, h_kv, group, 1)
+    partial = (probs_chunked * values).sum(2)  # [B, T/CHUNK, H_kv, G, D]
+    out = partial.sum(1).reshape(batch, 1, h_q, head_dim)  # [B, 1, H_q, D]
+    weights = probs.reshape(batch, t_k, h_q).permute(0, 2, 1)[:, :, None, :]  # [B, H_q, 1, T]
+    return out.to(q.dtype), lse.reshape(batch, 1, h_q), weights
+
+
+def _prefill(q, key_cache, value_cache, slots, key_positions, query_positions, scale: float):
+    batch, t_q, h_q, head_dim = q.shape
+    h_kv = key_cache.shape[2]
+    group = h_q // h_kv
+    t_k = slots.shape[1]
+    key_rows = key_cache.view(-1, h_kv, head_dim)  # [S, H_kv, D]
+    value_rows = value_cache.view(-1, h_kv, head_dim)
+    visible = (slots[:, None, :] >= 0) & (key_positions[:, None, :] <= query_positions[:, :, None])
+    safe_slots = slots.clamp(min=0)
+
+    q_grouped = (
+        q.float().view(batch, t_q, h_kv, group, head_dim).permute(0, 2, 3, 1, 4)
+    )  # [B, H_kv, G, T_q, D]
+    keys = key_rows[safe_slots].float().permute(0, 2, 1, 3)  # [B, H_kv, T, D]
+    values = value_rows[safe_slots].float().permute(0, 2, 1, 3)
+    scores = scale * torch.matmul(
+        q_grouped.reshape(batch, h_kv, group * t_q, head_dim), keys.transpose(-1, -2)
+    )
+    scores = scores.view(batch, h_kv, group, t_q, t_k).masked_fill(
+        ~visible[:, None, None], -math.inf
+    )
+    lse = torch.logsumexp(scores, dim=-1)  # [B, H_kv, G, T_q]
+    lse_safe = torch.where(lse == -math.inf, torch.zeros_like(lse), lse)
+    probs = torch.exp(scores - lse_safe[..., None])  # [B, H_kv, G, T_q, T]
+    out = torch.matmul(probs.view(batch, h_kv, group * t_q, t_k), values)  # [B, H_kv, G*T_q, D]
+    out = (
+        out.view(batch, h_kv, group, t_q, head_dim)
+        .permute(0, 3, 1, 2, 4)
+        .reshape(batch, t_q, h_q, head_dim)
+    )
+    lse = lse.permute(0, 3, 1, 2).reshape(batch, t_q, h_q)
+    weights = probs.reshape(batch, h_q, t_q, t_k)
+    return out.to(q.dtype), lse, weights
+
+
+_decode_compiled = torch.compile(_decode, dynamic=True)
+_prefill_compiled = torch.compile(_prefill, dynamic=True)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+    key_positions: torch.Tensor,
+    query_positions: torch.Tensor,
+    *,
+    scale: float | None = None,
+    return_weights: bool = False,
+) -> AttentionOutput:
+    """Implements ``kvstack.reference.attention.paged_attention``."""
+    check_attention_args(query, key_cache, value_cache, slots, key_positions, query_positions)
+    t_k = slots.shape[1]
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    pad = (-t_k) % CHUNK
+    # Pad with slot -1 (masked) to a multiple of CHUNK: bounded shapes, and the chunked sum needs it.
+    padded_slots = F.pad(slots.long(), (0, pad), value=-1)
+    padded_positions = F.pad(key_positions.long(), (0, pad), value=0)
+    kernel = _decode_compiled if query.shape[1] == 1 else _prefill_compiled
+    out, lse, weights = kernel(
+        query, key_cache, value_cache, padded_slots, padded_positions, query_positions.long(), scale
+    )
+    return AttentionOutput(out, lse, weights[..., :t_k] if return_weights else None)

@@ -1,0 +1,38 @@
+"""Errors raised by kvstack.
+
+Every error names the argument, the value it got and what was expected. Operations that
+raise leave their objects unchanged (they validate everything before they mutate anything).
+This module imports nothing from the rest of kvstack, so every layer may use it.
+"""
+
+
+class KVStackError(Exception):
+    """Base class of every error kvstack raises on purpose."""
+
+
+class InvalidArgumentError(KVStackError, ValueError):
+    """An argument has the wrong value, shape or device."""
+
+
+class InvalidDTypeError(KVStackError, TypeError):
+    """An argument has the wrong dtype or type."""
+
+
+class SlotOutOfRangeError(KVStackError, IndexError):
+    """A slot, block or token index lies outside the structure it indexes."""
+
+
+class PoolExhausted(KVStackError, MemoryError):
+    """The block pool cannot hand out as many blocks as were asked for; nothing was allocated."""
+
+
+class DoubleFreeError(KVStackError):
+    """A block was freed that is not currently allocated."""
+
+
+class DeadTokenError(KVStackError):
+    """A token that is already evicted (or was never appended) was named for eviction."""
+
+
+class BackendUnavailable(KVStackError, RuntimeError):
+    """A requested backend of an operation cannot run on this machine; the message says why."""

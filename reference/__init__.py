@@ -1,0 +1,36 @@
+"""kvstack.reference — the executable specification.
+
+Plain PyTorch, one module per mechanism, each stating its invariants in its docstring:
+
+    block_pool   paged K/V storage, free list, reference counts, atomic allocation
+    token_table  logical token -> physical slot, liveness, original position (vToken)
+    repack       waste metric, repack planner and executor (vToken I1-I4)
+    attention    attention over token tables for decode and prefill chunks, with LSE
+    merge        merge of attention states by log-sum-exp; multi-segment attention (AsymCache)
+    rope         chunked RoPE: rotate pre-RoPE keys, re-rotate stored keys (InferScale)
+
+Nothing here imports from kvstack.compiled or kvstack.cuda_kernels.
+"""
+
+from kvstack.reference.attention import AttentionOutput, paged_attention
+from kvstack.reference.block_pool import BlockPool
+from kvstack.reference.merge import merge_attention_states, multi_segment_attention
+from kvstack.reference.repack import RepackPlan, copy_slots, execute_repack, plan_repack
+from kvstack.reference.rope import apply_rotary, rerotate_keys, rotate_keys
+from kvstack.reference.token_table import TokenTable
+
+__all__ = [
+    "AttentionOutput",
+    "BlockPool",
+    "RepackPlan",
+    "TokenTable",
+    "apply_rotary",
+    "copy_slots",
+    "execute_repack",
+    "merge_attention_states",
+    "multi_segment_attention",
+    "paged_attention",
+    "plan_repack",
+    "rerotate_keys",
+    "rotate_keys",
+]

@@ -1,0 +1,170 @@
+"""Every registered fast implementation equals its reference (FlashInfer's
+``test_<op>_reference_correctness``, made automatic by the op registry).
+
+``CASES`` holds one input strategy and one comparison per operation; a test fails if an
+operation is registered without a case, so a new op cannot escape this file. Backends that
+cannot load here are skipped with the registry's reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvstack import ops
+from spec_tests.strategies import TOLERANCES, attention_cases, dtypes, rotary_embedding
+
+FAST_BACKENDS = [b for b in ops.BACKENDS if b != "reference"]
+
+
+def assert_close(actual, expected, dtype, what):
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(
+        actual.cpu(), expected.cpu(), atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}"
+    )
+
+
+def assert_lse_close(actual, expected, what):
+    # -inf (a query that sees nothing) must match exactly; finite values to float32 accuracy.
+    assert torch.equal(actual.cpu() == -torch.inf, expected.cpu() == -torch.inf), (
+        f"{what}: -inf pattern"
+    )
+    finite = expected.cpu() > -torch.inf
+    torch.testing.assert_close(actual.cpu()[finite], expected.cpu()[finite], atol=1e-4, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- cases per op
+@st.composite
+def attention_inputs(draw):
+    case = draw(attention_cases())
+    return case.args(), {"return_weights": True}, case.query.dtype
+
+
+def compare_attention(fast, ref, dtype):
+    assert_close(fast.out, ref.out, dtype, "out")
+    assert_lse_close(fast.lse, ref.lse, "lse")
+    torch.testing.assert_close(fast.weights.cpu(), ref.weights.cpu(), atol=1e-5, rtol=1e-4)
+
+
+@st.composite
+def merge_inputs(draw):
+    count = draw(st.integers(1, 4))
+    lead = draw(st.lists(st.integers(1, 3), min_size=1, max_size=2))
+    heads, head_dim = draw(st.integers(1, 4)), draw(st.sampled_from([4, 16]))
+    dtype = draw(dtypes)
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    outputs = [torch.randn(*lead, heads, head_dim, generator=gen).to(dtype) for _ in range(count)]
+    lses = [10 * torch.randn(*lead, heads, generator=gen) for _ in range(count)]
+    for lse in lses:  # some segments are empty for some queries: lse = -inf, out = 0
+        empty = torch.rand(lse.shape, generator=gen) < 0.3
+        lse[empty] = -torch.inf
+    for out, lse in zip(outputs, lses, strict=True):
+        out[lse == -torch.inf] = 0
+    return (outputs, lses), {}, dtype
+
+
+def compare_merge(fast, ref, dtype):
+    assert_close(fast[0], ref[0], dtype, "out")
+    assert_lse_close(fast[1], ref[1], "lse")
+
+
+@st.composite
+def multi_segment_inputs(draw):
+    case = draw(attention_cases())
+    pieces = draw(st.integers(1, 3))
+    t_k = case.slots.shape[1]
+    cuts = sorted(draw(st.lists(st.integers(0, t_k), min_size=pieces - 1, max_size=pieces - 1)))
+    bounds = [0, *cuts, t_k]
+    segments = [
+        (case.key_cache, case.value_cache, case.slots[:, a:b], case.key_positions[:, a:b])
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
+    return (case.query, segments, case.query_positions), {}, case.query.dtype
+
+
+def compare_multi_segment(fast, ref, dtype):
+    assert_close(fast.out, ref.out, dtype, "out")
+    assert_lse_close(fast.lse, ref.lse, "lse")
+
+
+@st.composite
+def copy_slots_inputs(draw):
+    block_size = draw(st.sampled_from([1, 4, 16, 64]))
+    num_blocks = draw(st.integers(2, 8))
+    dtype = draw(dtypes)
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    shape = (num_blocks, block_size, 2, 8)
+    key_cache, value_cache = (
+        torch.randn(shape, generator=gen).to(dtype),
+        torch.randn(shape, generator=gen).to(dtype),
+    )
+    slots = torch.randperm(num_blocks * block_size, generator=gen)
+    moves = draw(st.integers(0, len(slots) // 2))
+    src, dst = slots[:moves], slots[moves : 2 * moves]  # disjoint, as a repack plan's are (I4)
+    return (key_cache, value_cache, src, dst), {}, dtype
+
+
+def run_copy_slots(fn, args, kwargs):
+    key_cache, value_cache, src, dst = args
+    key_cache, value_cache = key_cache.clone(), value_cache.clone()
+    fn(key_cache, value_cache, src, dst, **kwargs)
+    return key_cache, value_cache
+
+
+def compare_copy_slots(fast, ref, dtype):
+    assert torch.equal(fast[0], ref[0]) and torch.equal(fast[1], ref[1]), "copies are exact"
+
+
+@st.composite
+def rope_inputs(draw, rerotate: bool):
+    head_dim = draw(st.sampled_from([8, 32, 64]))
+    tokens, heads = draw(st.integers(1, 40)), draw(st.integers(1, 3))
+    dtype = draw(dtypes)
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    keys = torch.randn(tokens, heads, head_dim, generator=gen).to(dtype)
+    low = -2000 if rerotate else 0
+    positions = torch.randint(low, 4000, (tokens,), generator=gen)
+    emb = rotary_embedding(draw(st.sampled_from(["default", "linear", "llama3", "yarn"])), head_dim)
+    return (keys, positions, emb), {}, dtype
+
+
+def compare_tensors(fast, ref, dtype):
+    assert_close(fast, ref, dtype, "keys")
+
+
+def call(fn, args, kwargs):
+    return fn(*args, **kwargs)
+
+
+CASES = {
+    "paged_attention": (attention_inputs(), call, compare_attention),
+    "merge_attention_states": (merge_inputs(), call, compare_merge),
+    "multi_segment_attention": (multi_segment_inputs(), call, compare_multi_segment),
+    "copy_slots": (copy_slots_inputs(), run_copy_slots, compare_copy_slots),
+    "rotate_keys": (rope_inputs(rerotate=False), call, compare_tensors),
+    "rerotate_keys": (rope_inputs(rerotate=True), call, compare_tensors),
+}
+
+
+def test_every_registered_op_has_an_equivalence_case():
+    assert set(ops.operations()) == set(CASES), "register a case for every op in ops._SPEC"
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_fast_implementation_matches_reference(name, backend):
+    op = ops.operations()[name]
+    if backend not in op.implementations:
+        pytest.skip(op.unavailable[backend])
+    inputs, run, compare = CASES[name]
+
+    @given(inputs)
+    def check(drawn):
+        args, kwargs, dtype = drawn
+        expected = run(op.reference, args, kwargs)
+        actual = run(op.implementations[backend], args, kwargs)
+        compare(actual, expected, dtype)
+
+    check()
