@@ -23,6 +23,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+
 from kvstack.reference.attention import AttentionOutput, check_attention_args
 
 CHUNK = 64  # tokens per split-K chunk of the decode value sum; also the padding granularity

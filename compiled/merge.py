@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+
 from kvstack.reference.attention import AttentionOutput
 from kvstack.reference.merge import check_merge_args
 from kvstack.reference.merge import multi_segment_attention as _reference_multi_segment

@@ -7,6 +7,7 @@ the rotation of the keys, the part that touches every key byte, is one fused com
 from __future__ import annotations
 
 import torch
+
 from kvstack.reference.checks import check_tensor
 from kvstack.reference.rope import _check_keys, rotary_cos_sin
 

@@ -28,9 +28,9 @@ import math
 from typing import NamedTuple
 
 import torch
-from kvstack.reference.checks import FLOAT_DTYPES, check_tensor
 
-from kvstack.errors import InvalidArgumentError
+from kvstack.errors import InvalidArgumentError, SlotOutOfRangeError
+from kvstack.reference.checks import FLOAT_DTYPES, check_tensor
 
 INDEX_DTYPES = (torch.int64, torch.int32)
 
@@ -84,7 +84,7 @@ def check_attention_args(
     )
     num_slots = key_cache.shape[0] * key_cache.shape[1]
     if slots.numel() and (int(slots.min()) < -1 or int(slots.max()) >= num_slots):
-        raise InvalidArgumentError(
+        raise SlotOutOfRangeError(
             f"slots holds values in [{int(slots.min())}, {int(slots.max())}], expected -1 "
             f"(padding) or 0 <= slot < {num_slots}"
         )

@@ -28,10 +28,16 @@ import torch
 from kvstack.errors import (
     DoubleFreeError,
     InvalidArgumentError,
+    InvalidDTypeError,
     PoolExhausted,
     SlotOutOfRangeError,
 )
-from kvstack.reference.checks import FLOAT_DTYPES, check_index_tensor, check_positive_int, check_tensor
+from kvstack.reference.checks import (
+    FLOAT_DTYPES,
+    check_index_tensor,
+    check_positive_int,
+    check_tensor,
+)
 
 
 class BlockPool:
@@ -49,6 +55,10 @@ class BlockPool:
         self.block_size = check_positive_int("block_size", block_size)
         self.num_kv_heads = check_positive_int("num_kv_heads", num_kv_heads)
         self.head_dim = check_positive_int("head_dim", head_dim)
+        if dtype not in FLOAT_DTYPES:
+            raise InvalidDTypeError(
+                f"dtype must be one of {[str(d) for d in FLOAT_DTYPES]}, got {dtype!r}"
+            )
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.key = torch.zeros(shape, dtype=dtype, device=device)
         self.value = torch.zeros(shape, dtype=dtype, device=device)
@@ -95,6 +105,8 @@ class BlockPool:
 
     def free(self, blocks: Iterable[int]) -> None:
         """Drop one owner of each block; a block whose last owner left returns to the free list."""
+        if not isinstance(blocks, Iterable) or isinstance(blocks, (str, bytes)):
+            raise InvalidDTypeError(f"blocks must be an iterable of block ids, got {blocks!r}")
         blocks = list(blocks)
         self._check_allocated("blocks", blocks)
         for block in blocks:
@@ -102,12 +114,16 @@ class BlockPool:
             if self.ref_counts[block] == 0:
                 self.free_blocks.append(block)
 
+    def check_allocated(self, name: str, blocks: list[int]) -> None:
+        """Raise unless each block is allocated (as often as it is named); changes nothing."""
+        self._check_allocated(name, list(blocks))
+
     def _check_allocated(self, name: str, blocks: list[int]) -> None:
         # Validate every block before touching any, so a bad list changes nothing (P3).
         drops: dict[int, int] = {}
         for block in blocks:
             if isinstance(block, bool) or not isinstance(block, int):
-                raise SlotOutOfRangeError(f"{name} must hold int block ids, got {block!r}")
+                raise InvalidDTypeError(f"{name} must hold int block ids, got {block!r}")
             if not 0 <= block < self.num_blocks:
                 raise SlotOutOfRangeError(
                     f"{name} holds block {block}, expected 0 <= block < {self.num_blocks}"

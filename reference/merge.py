@@ -16,10 +16,10 @@ import math
 from collections.abc import Sequence
 
 import torch
-from kvstack.reference.attention import AttentionOutput, paged_attention
-from kvstack.reference.checks import FLOAT_DTYPES, check_tensor
 
 from kvstack.errors import InvalidArgumentError
+from kvstack.reference.attention import AttentionOutput, paged_attention
+from kvstack.reference.checks import FLOAT_DTYPES, check_tensor
 
 
 def check_merge_args(outputs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]) -> None:

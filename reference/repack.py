@@ -33,6 +33,7 @@ DEFAULT_WASTE_THRESHOLD = 0.25
 
 @dataclass(frozen=True)
 class RepackPlan:
+    table_id: int  # id() of the table the plan was built for
     table_version: int  # the snapshot the plan was built from
     moved_tokens: torch.Tensor  # logical indices of the moved tokens [M]
     src_slots: torch.Tensor  # where they are now [M]
@@ -42,7 +43,10 @@ class RepackPlan:
 
 
 def copy_slots(
-    key_cache: torch.Tensor, value_cache: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
 ) -> None:
     """Copy the K/V rows of ``src_slots`` onto ``dst_slots`` in place.
 
@@ -81,10 +85,17 @@ def plan_repack(
 
     # Every slot of a kept block that holds no live token is a destination.
     live_slot_set = set(live_slot.tolist())
-    destinations = [b * bs + o for b in sorted(kept) for o in range(bs) if b * bs + o not in live_slot_set]
-    moving = [(i, s) for i, s in zip(live_index.tolist(), live_slot.tolist(), strict=True) if s // bs in freed]
+    destinations = [
+        b * bs + o for b in sorted(kept) for o in range(bs) if b * bs + o not in live_slot_set
+    ]
+    moving = [
+        (i, s)
+        for i, s in zip(live_index.tolist(), live_slot.tolist(), strict=True)
+        if s // bs in freed
+    ]
     dst = destinations[: len(moving)]
     return RepackPlan(
+        table_id=id(table),
         table_version=table.version,
         moved_tokens=torch.tensor([i for i, _ in moving], dtype=torch.int64),
         src_slots=torch.tensor([s for _, s in moving], dtype=torch.int64),
@@ -102,11 +113,16 @@ def execute_repack(
 ) -> None:
     """Carry out ``plan``: copy the rows (``copy`` is a ``copy_slots`` implementation), then
     switch the table to the new slots, then return the freed blocks to the pool."""
+    if plan.table_id != id(table):
+        raise InvalidArgumentError("plan was built for another table; build a plan for this one")
     if plan.table_version != table.version:
         raise InvalidArgumentError(
             f"plan was built from table version {plan.table_version}, the table is now at "
             f"version {table.version}; build a new plan"
         )
+    # Check the pool before touching anything, so a wrong pool changes nothing.
+    table._check_pool(pool)
+    pool.check_allocated("plan.freed_blocks", list(plan.freed_blocks))
     device = pool.key.device
     copy(pool.key, pool.value, plan.src_slots.to(device), plan.dst_slots.to(device))  # I3: copy ...
     # ... then switch. A repack reclaims: dead tokens that still held a slot (Naive-Evict) lose it.
@@ -116,6 +132,8 @@ def execute_repack(
     table.blocks = [b for b in table.blocks if b not in freed]
     occupied = set(table.slots[table.slots >= 0].tolist())
     bs = table.block_size
-    table.free_slots = [b * bs + o for b in sorted(table.blocks) for o in range(bs) if b * bs + o not in occupied]
+    table.free_slots = [
+        b * bs + o for b in sorted(table.blocks) for o in range(bs) if b * bs + o not in occupied
+    ]
     table.version += 1
     pool.free(plan.freed_blocks)

@@ -20,9 +20,9 @@ The layout is Hugging Face's ``rotate_half`` (the two halves of head_dim are the
 from __future__ import annotations
 
 import torch
-from kvstack.reference.checks import FLOAT_DTYPES, check_tensor
 
 from kvstack.errors import InvalidArgumentError
+from kvstack.reference.checks import FLOAT_DTYPES, check_tensor
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

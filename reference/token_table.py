@@ -25,7 +25,12 @@ import math
 
 import torch
 
-from kvstack.errors import DeadTokenError, InvalidArgumentError, InvalidDTypeError, SlotOutOfRangeError
+from kvstack.errors import (
+    DeadTokenError,
+    InvalidArgumentError,
+    InvalidDTypeError,
+    SlotOutOfRangeError,
+)
 from kvstack.reference.block_pool import BlockPool
 from kvstack.reference.checks import FLOAT_DTYPES, check_positive_int, check_tensor
 
@@ -100,12 +105,18 @@ class TokenTable:
         row = (None, pool.num_kv_heads, pool.head_dim)
         check_tensor("key", key, shape=row, dtypes=FLOAT_DTYPES, device=pool.key.device)
         n = key.shape[0]
-        check_tensor("value", value, shape=(n, *row[1:]), dtypes=FLOAT_DTYPES, device=pool.key.device)
+        check_tensor(
+            "value", value, shape=(n, *row[1:]), dtypes=FLOAT_DTYPES, device=pool.key.device
+        )
         if positions is None:
             start = self.next_position()
             positions = torch.arange(start, start + n, device=self.device)
         check_tensor(
-            "positions", positions, shape=(n,), dtypes=(torch.int64, torch.int32), device=self.device
+            "positions",
+            positions,
+            shape=(n,),
+            dtypes=(torch.int64, torch.int32),
+            device=self.device,
         )
         if n and int(positions.min()) < 0:
             raise InvalidArgumentError(f"positions must be >= 0, got min {int(positions.min())}")
@@ -114,7 +125,7 @@ class TokenTable:
         new_blocks = pool.allocate(math.ceil((n - len(reused)) / self.block_size))
         fresh = [b * self.block_size + o for b in new_blocks for o in range(self.block_size)]
         new_slots = reused + fresh[: n - len(reused)]
-        self.free_slots = self.free_slots[len(reused) :] + fresh[n - len(reused) :]
+        self.free_slots = sorted(self.free_slots[len(reused) :] + fresh[n - len(reused) :])
         self.blocks.extend(new_blocks)
 
         slots = torch.tensor(new_slots, dtype=torch.int64, device=self.device)
@@ -135,10 +146,13 @@ class TokenTable:
         if indices.numel() == 0:
             return
         # as_tensor(..., dtype=int64) would truncate 0.7 to token 0 and evict the wrong token.
-        if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
+        is_integer = not (indices.dtype.is_floating_point or indices.dtype.is_complex)
+        if not is_integer or indices.dtype == torch.bool:
             raise InvalidDTypeError(f"indices must hold integers, got dtype {indices.dtype}")
         if indices.device != self.device:
-            raise InvalidArgumentError(f"indices must be on device {self.device}, got {indices.device}")
+            raise InvalidArgumentError(
+                f"indices must be on device {self.device}, got {indices.device}"
+            )
         indices = indices.to(torch.int64)
         if int(indices.min()) < 0 or int(indices.max()) >= self.num_tokens:
             raise SlotOutOfRangeError(

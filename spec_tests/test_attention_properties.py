@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
-from kvstack.reference import merge_attention_states, paged_attention
 
 from kvstack import ops
+from kvstack.reference import merge_attention_states, paged_attention
 from spec_tests.strategies import TOLERANCES, attention_cases
 
 

@@ -8,6 +8,8 @@ cannot load here are skipped with the registry's reason.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from hypothesis import given
@@ -166,5 +168,40 @@ def test_fast_implementation_matches_reference(name, backend):
         expected = run(op.reference, args, kwargs)
         actual = run(op.implementations[backend], args, kwargs)
         compare(actual, expected, dtype)
+
+    check()
+
+
+def to_device(obj, device):
+    """Move every tensor (and module) inside nested args to ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, torch.nn.Module):
+        return copy.deepcopy(obj).to(device)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a NamedTuple such as AttentionOutput
+        return type(obj)(*(to_device(item, device) for item in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(item, device) for item in obj)
+    if isinstance(obj, dict):
+        return {key: to_device(value, device) for key, value in obj.items()}
+    return obj
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_fast_implementation_on_cuda_matches_cpu_reference(name, backend):
+    op = ops.operations()[name]
+    if backend not in op.implementations:
+        pytest.skip(op.unavailable[backend])
+    inputs, run, compare = CASES[name]
+
+    @given(inputs)
+    def check(drawn):
+        args, kwargs, dtype = drawn
+        expected = run(op.reference, args, kwargs)
+        actual = run(op.implementations[backend], to_device(args, "cuda"), kwargs)
+        compare(to_device(actual, "cpu"), expected, dtype)
 
     check()
