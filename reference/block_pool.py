@@ -98,6 +98,19 @@ class BlockPool:
             self.ref_counts[block] = 1
         return blocks
 
+    def grow(self, num_new_blocks: int) -> None:
+        """Add ``num_new_blocks`` free blocks. Existing block ids, bytes and owners are unchanged
+        (the tensors are reallocated, so views taken before ``grow`` go stale)."""
+        check_positive_int("num_new_blocks", num_new_blocks)
+        extra = torch.zeros(
+            (num_new_blocks, *self.key.shape[1:]), dtype=self.key.dtype, device=self.key.device
+        )
+        self.key = torch.cat([self.key, extra])
+        self.value = torch.cat([self.value, extra])
+        self.ref_counts.extend([0] * num_new_blocks)
+        self.free_blocks.extend(range(self.num_blocks, self.num_blocks + num_new_blocks))
+        self.num_blocks += num_new_blocks
+
     def share(self, block: int) -> None:
         """Add an owner to an allocated block (prefix sharing, copy-on-write later)."""
         self._check_allocated("block", [block])

@@ -171,6 +171,20 @@ class TokenTable:
             self.slots[indices] = -1
         self.version += 1
 
+    def fork(self, pool: BlockPool) -> TokenTable:
+        """A new table with the same logical tokens (liveness, positions) whose live K/V rows are
+        copied into newly allocated slots of ``pool`` (no block is shared; beam search forks)."""
+        self._check_pool(pool)
+        key, value = pool.read(self.live_slots().to(pool.key.device))
+        fork = TokenTable(self.block_size, device=self.device)
+        fork.append(pool, key, value, self.live_positions())
+        # Restore the logical layout: dead tokens stay dead at the same logical indices.
+        slots = torch.full_like(self.slots, -1)
+        slots[self.alive] = fork.slots
+        fork.slots, fork.alive, fork.positions = slots, self.alive.clone(), self.positions.clone()
+        fork.version += 1
+        return fork
+
     def release_all(self, pool: BlockPool) -> None:
         """Return every owned block to the pool and forget all tokens."""
         self._check_pool(pool)

@@ -1,0 +1,125 @@
+"""The ``"kvstack"`` attention implementation for Hugging Face models.
+
+Registered with both ``AttentionInterface`` (the attention function) and
+``AttentionMaskInterface`` (the mask function) under one name, so that
+
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="kvstack")
+    model.set_attn_implementation("kvstack")   # or switch a loaded model
+
+work after ``import kvstack.hf``.
+
+Why our own attention: a paged cache keeps K/V in pool blocks reached through token tables;
+handing transformers contiguous K/V would copy the whole cache every step. Instead the cache layer's
+``update`` writes the new rows into its pool and announces itself as the current ``StepState``;
+the attention function then reads K/V through that layer's token tables with the op registry's
+``paged_attention`` (compiled backend by default) and owns the masking: causal by logical index,
+left padding (padding tokens are evicted from the table at prefill), evicted tokens (never in the
+table). The mask function therefore returns transformers' 2D padding mask unchanged.
+
+Called without a kvstack cache (``use_cache=False``, or another cache class), the function
+computes ordinary causal attention over the K/V it is given, through the same operation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvstack import ops
+
+ATTENTION_NAME = "kvstack"
+
+
+@dataclass
+class StepState:
+    """What the current layer's ``update`` tells the attention function that follows it."""
+
+    layer: Any = (
+        None  # the cache layer that just stored this step's K/V (kvstack.hf.paged.PagedLayer)
+    )
+    key: torch.Tensor | None = None  # the K/V handed to update, to recognise the matching call
+
+
+STEP = StepState()
+_BACKEND: str | None = None  # None: the fastest available; "reference" to run the specification
+
+
+def set_backend(backend: str | None) -> None:
+    """Choose the registry backend the attention function uses (None = fastest available)."""
+    global _BACKEND
+    ops.get("paged_attention", backend)  # raises with the reason if the backend cannot run here
+    _BACKEND = backend
+
+
+def kvstack_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any):
+    """Mask function: pass the 2D padding mask ([B, seen + q], True = real token) through.
+
+    The attention function builds the causal and eviction masks from the token tables itself."""
+    return attention_mask
+
+
+def _contiguous_as_table(key: torch.Tensor, value: torch.Tensor):
+    """View contiguous K/V [B, H_kv, T, D] as a pool of T-token blocks, one per row."""
+    batch, h_kv, t_k, head_dim = key.shape
+    key_cache = key.transpose(1, 2).contiguous()  # [B, T, H_kv, D]: block b holds row b
+    value_cache = value.transpose(1, 2).contiguous()
+    slots = torch.arange(batch * t_k, device=key.device).view(batch, t_k)  # [B, T]
+    return key_cache, value_cache, slots
+
+
+def kvstack_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention function with transformers' signature: query [B, H_q, T_q, D], key/value as
+    returned by the cache's ``update``; returns ([B, T_q, H_q, D], weights or None)."""
+    attention = ops.get("paged_attention", _BACKEND)
+    query_bthd = query.transpose(1, 2)  # [B, T_q, H_q, D]
+    t_q = query.shape[2]
+    layer = STEP.layer
+    if layer is not None and STEP.key is key:
+        STEP.layer, STEP.key = None, None  # one update, one attention call
+        if attention_mask is not None and attention_mask.dim() == 2:
+            layer.evict_padding(attention_mask[:, -t_q:])
+        key_cache, value_cache, slots, key_positions = layer.attention_view()
+        query_positions = layer.query_positions(t_q)
+        want_weights = layer.wants_attention_weights()
+    else:
+        # No kvstack cache behind this call: plain causal attention over the given K/V.
+        key_cache, value_cache, slots = _contiguous_as_table(key, value)
+        t_k = key.shape[2]
+        key_positions = torch.arange(t_k, device=key.device).expand(key.shape[0], t_k)
+        if attention_mask is not None and attention_mask.dim() == 2:
+            slots = slots.masked_fill(~attention_mask[:, -t_k:].bool(), -1)
+        query_positions = torch.arange(t_k - t_q, t_k, device=key.device).expand(key.shape[0], t_q)
+        want_weights, layer = False, None
+    result = attention(
+        query_bthd,
+        key_cache,
+        value_cache,
+        slots,
+        key_positions,
+        query_positions,
+        scale=scaling,
+        return_weights=want_weights,
+    )
+    if layer is not None and want_weights:
+        layer.observe_attention(result.weights)
+    return result.out, result.weights
+
+
+def register() -> None:
+    """Register ``"kvstack"`` with transformers' attention and mask interfaces (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_NAME, kvstack_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, kvstack_mask)
