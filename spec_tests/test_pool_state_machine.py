@@ -371,6 +371,32 @@ class PoolMachine(RuleBasedStateMachine):
         assert_same_snapshot(before, self._snapshot())
         event("stale plan refused")
 
+    @precondition(lambda self: len(self.tables) < MAX_SEQUENCES)
+    @rule(target=sequences, source=sequences)
+    def fork(self, source: int):
+        """fork: a new sequence with the source's logical tokens, its live rows copied into new
+        blocks (beam search); PoolExhausted when they do not fit, and then nothing changed."""
+        m = self.model[source]
+        needed = math.ceil(len(m.live) / self.block_size)
+        if needed > self.pool.num_free_blocks:
+            before = self._snapshot()
+            try:
+                self.tables[source].fork(self.pool)
+            except PoolExhausted:
+                pass
+            else:
+                raise AssertionError("fork past the pool's capacity did not raise PoolExhausted")
+            assert_same_snapshot(before, self._snapshot())
+            return multiple()
+        self.tables.append(self.tables[source].fork(self.pool))
+        event("fork")
+        self.model.append(
+            ModelSequence(
+                live=list(m.live), appended=m.appended, next_position=m.next_position, blocks=needed
+            )
+        )
+        return len(self.tables) - 1
+
     # Hypothesis draws rules with few arguments most often (this one came first by far); gate it
     # so that it does not keep emptying the pool before evictions and repacks get a turn.
     @precondition(lambda self: self.pool.num_free_blocks < NUM_BLOCKS // 2)
