@@ -31,14 +31,18 @@ from kvstack.reference.attention import AttentionOutput, check_attention_args
 CHUNK = 64  # tokens per split-K chunk of the decode value sum; also the padding granularity
 
 
-def _decode(q, key_cache, value_cache, slots, key_positions, query_positions, scale: float):
+def _decode(
+    q, key_cache, value_cache, slots, key_positions, query_positions, first_visible, scale: float
+):
     batch, _, h_q, head_dim = q.shape
     h_kv = key_cache.shape[2]
     group = h_q // h_kv
     t_k = slots.shape[1]
     key_rows = key_cache.view(-1, h_kv, head_dim)  # [S, H_kv, D]
     value_rows = value_cache.view(-1, h_kv, head_dim)
-    visible = (slots >= 0) & (key_positions <= query_positions)  # [B, T] (T_q == 1 broadcasts)
+    visible = (
+        (slots >= 0) & (key_positions <= query_positions) & (key_positions >= first_visible)
+    )  # [B, T]
     safe_slots = slots.clamp(min=0)
 
     q_grouped = q.float().view(batch, 1, h_kv, group, head_dim) * scale  # [B, 1, H_kv, G, D]
@@ -57,14 +61,21 @@ def _decode(q, key_cache, value_cache, slots, key_positions, query_positions, sc
     return out.to(q.dtype), lse.reshape(batch, 1, h_q), weights
 
 
-def _prefill(q, key_cache, value_cache, slots, key_positions, query_positions, scale: float):
+def _prefill(
+    q, key_cache, value_cache, slots, key_positions, query_positions, first_visible, scale: float
+):
     batch, t_q, h_q, head_dim = q.shape
     h_kv = key_cache.shape[2]
     group = h_q // h_kv
     t_k = slots.shape[1]
     key_rows = key_cache.view(-1, h_kv, head_dim)  # [S, H_kv, D]
     value_rows = value_cache.view(-1, h_kv, head_dim)
-    visible = (slots[:, None, :] >= 0) & (key_positions[:, None, :] <= query_positions[:, :, None])
+    key_pos = key_positions[:, None, :]  # [B, 1, T]
+    visible = (
+        (slots[:, None, :] >= 0)
+        & (key_pos <= query_positions[:, :, None])
+        & (key_pos >= first_visible[:, :, None])
+    )
     safe_slots = slots.clamp(min=0)
 
     q_grouped = (
@@ -112,10 +123,13 @@ def paged_attention(
     query_positions: torch.Tensor,
     *,
     scale: float | None = None,
+    window: int | None = None,
     return_weights: bool = False,
 ) -> AttentionOutput:
     """Implements ``kvstack.reference.attention.paged_attention``."""
-    check_attention_args(query, key_cache, value_cache, slots, key_positions, query_positions)
+    check_attention_args(
+        query, key_cache, value_cache, slots, key_positions, query_positions, window
+    )
     t_k = slots.shape[1]
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     pad = (-t_k) % CHUNK
@@ -124,6 +138,12 @@ def paged_attention(
     padded_positions = F.pad(key_positions.long(), (0, pad), value=0)
     kernel = _decode_compiled if query.shape[1] == 1 else _prefill_compiled
     query_positions = query_positions.long()
+    # The window enters as a tensor (first visible position per query), not an int, so a new
+    # window size does not recompile.
+    if window is None:
+        first_visible = torch.full_like(query_positions, torch.iinfo(torch.int64).min)
+    else:
+        first_visible = query_positions - window + 1
     _mark_lengths_dynamic(
         (query, (0, 1)),
         (key_cache, (0,)),
@@ -131,8 +151,16 @@ def paged_attention(
         (padded_slots, (0, 1)),
         (padded_positions, (0, 1)),
         (query_positions, (0, 1)),
+        (first_visible, (0, 1)),
     )
     out, lse, weights = kernel(
-        query, key_cache, value_cache, padded_slots, padded_positions, query_positions, scale
+        query,
+        key_cache,
+        value_cache,
+        padded_slots,
+        padded_positions,
+        query_positions,
+        first_visible,
+        scale,
     )
     return AttentionOutput(out, lse, weights[..., :t_k] if return_weights else None)

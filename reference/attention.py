@@ -11,7 +11,9 @@ Inputs (B sequences, T_q query tokens each, T_k table entries each):
 
 Rule: query head h reads KV head h // (H_q / H_kv) (grouped-query attention); query i of
 sequence b sees key j iff slots[b, j] >= 0 and key_positions[b, j] <= query_positions[b, i]
-(causal by position, so evicted tokens and prefill chunks need no other mask). Scores are
+(causal by position, so evicted tokens and prefill chunks need no other mask), and, with a
+sliding ``window`` W, also key_positions[b, j] > query_positions[b, i] - W (Mistral, Gemma's
+local layers; the rule transformers' ``sliding_window_overlay`` uses). Scores are
 computed in float32:
 
     s_ij = scale * q_i . k_j,   lse_i = log sum_j exp(s_ij)   (natural log),
@@ -30,7 +32,7 @@ from typing import NamedTuple
 import torch
 
 from kvstack.errors import InvalidArgumentError, SlotOutOfRangeError
-from kvstack.reference.checks import FLOAT_DTYPES, check_tensor
+from kvstack.reference.checks import FLOAT_DTYPES, check_positive_int, check_tensor
 
 INDEX_DTYPES = (torch.int64, torch.int32)
 
@@ -48,8 +50,11 @@ def check_attention_args(
     slots: torch.Tensor,
     key_positions: torch.Tensor,
     query_positions: torch.Tensor,
+    window: int | None = None,
 ) -> None:
     """Shape, dtype and device checks shared by every implementation of ``paged_attention``."""
+    if window is not None:
+        check_positive_int("window", window)
     check_tensor("query", query, ndim=4, dtypes=FLOAT_DTYPES)
     batch, t_q, h_q, head_dim = query.shape
     check_tensor("key_cache", key_cache, ndim=4, dtypes=FLOAT_DTYPES, device=query.device)
@@ -99,10 +104,13 @@ def paged_attention(
     query_positions: torch.Tensor,
     *,
     scale: float | None = None,
+    window: int | None = None,
     return_weights: bool = False,
 ) -> AttentionOutput:
     """Attention of each query over the K/V rows its sequence's table names (see module doc)."""
-    check_attention_args(query, key_cache, value_cache, slots, key_positions, query_positions)
+    check_attention_args(
+        query, key_cache, value_cache, slots, key_positions, query_positions, window
+    )
     batch, t_q, h_q, head_dim = query.shape
     h_kv = key_cache.shape[2]
     group = h_q // h_kv
@@ -117,7 +125,10 @@ def paged_attention(
         valid = slots[b] >= 0  # [T_k]
         keys = key_rows[slots[b][valid]].float()  # [L, H_kv, D]
         values = value_rows[slots[b][valid]].float()
-        visible = key_positions[b][valid][None, :] <= query_positions[b][:, None]  # [T_q, L]
+        key_pos, query_pos = key_positions[b][valid][None, :], query_positions[b][:, None]
+        visible = key_pos <= query_pos  # [T_q, L]
+        if window is not None:
+            visible &= key_pos > query_pos - window
         for h in range(h_q):
             kv_head = h // group
             scores = scale * query[b, :, h].float() @ keys[:, kv_head].T  # [T_q, L]

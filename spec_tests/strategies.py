@@ -26,6 +26,7 @@ class AttentionCase:
     slots: torch.Tensor  # [B, T_k], -1 padded
     key_positions: torch.Tensor  # [B, T_k]
     query_positions: torch.Tensor  # [B, T_q]
+    window: int | None = None  # sliding window (keyword argument of paged_attention)
 
     def args(self) -> tuple[torch.Tensor, ...]:
         return (
@@ -37,17 +38,22 @@ class AttentionCase:
             self.query_positions,
         )
 
+    def kwargs(self) -> dict:
+        return {} if self.window is None else {"window": self.window}
+
     def __repr__(self) -> str:
         b, t_q, h_q, d = self.query.shape
         return (
             f"AttentionCase(B={b}, T_q={t_q}, H_q={h_q}, H_kv={self.key_cache.shape[2]}, D={d}, "
             f"block_size={self.key_cache.shape[1]}, dtype={self.query.dtype}, "
-            f"lengths={(self.slots >= 0).sum(1).tolist()})"
+            f"lengths={(self.slots >= 0).sum(1).tolist()}, window={self.window})"
         )
 
 
 @st.composite
-def attention_cases(draw, *, max_tokens: int = 80, max_query: int = 6, device: str = "cpu"):
+def attention_cases(
+    draw, *, max_tokens: int = 80, max_query: int = 6, device: str = "cpu", windows: bool = False
+):
     """Ragged sequences whose live tokens sit in shuffled slots of one pool, with random
     evictions (gaps in positions), GQA ratios 1-4 and block sizes 1-64."""
     batch = draw(st.integers(1, 3))
@@ -84,9 +90,12 @@ def attention_cases(draw, *, max_tokens: int = 80, max_query: int = 6, device: s
         # may start before the last key, so some queries see only a prefix (causal).
         query_positions[b] = torch.arange(t_q) + max(0, last - t_q + 1)
     query = torch.randn((batch, t_q, h_kv * group, head_dim), generator=gen).to(dtype)
-    case = AttentionCase(query, key_cache, value_cache, slots, key_positions, query_positions)
+    window = draw(st.none() | st.integers(1, 30)) if windows else None
+    case = AttentionCase(
+        query, key_cache, value_cache, slots, key_positions, query_positions, window
+    )
     if device != "cpu":
-        case = AttentionCase(*(t.to(device) for t in case.args()))
+        case = AttentionCase(*(t.to(device) for t in case.args()), window)
     return case
 
 

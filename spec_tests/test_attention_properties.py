@@ -36,7 +36,10 @@ def dense_attention(case):
         values = value_rows[case.slots[b][valid]].float().transpose(0, 1)
         keys = keys.repeat_interleave(h_q // h_kv, dim=0)  # [H_q, L, D]
         values = values.repeat_interleave(h_q // h_kv, dim=0)
-        mask = case.key_positions[b][valid][None, :] <= case.query_positions[b][:, None]  # [T_q, L]
+        key_pos, query_pos = case.key_positions[b][valid][None, :], case.query_positions[b][:, None]
+        mask = key_pos <= query_pos  # [T_q, L]
+        if case.window is not None:
+            mask &= key_pos > query_pos - case.window
         query = case.query[b].float().transpose(0, 1)  # [H_q, T_q, D]
         seen = mask.any(-1)  # SDPA gives NaN for a row that sees nothing; the rule says 0
         out = torch.zeros(h_q, t_q, head_dim)
@@ -51,10 +54,10 @@ def dense_attention(case):
     return torch.stack(outs), torch.stack(lses)
 
 
-@given(attention_cases())
+@given(attention_cases(windows=True))
 def test_reference_equals_dense_sdpa_over_live_tokens(case):
     expected_out, expected_lse = dense_attention(case)
-    got = paged_attention(*case.args())
+    got = paged_attention(*case.args(), **case.kwargs())
     atol, rtol = TOLERANCES[case.query.dtype]
     torch.testing.assert_close(got.out.float(), expected_out, atol=atol, rtol=rtol)
     assert torch.equal(got.lse == -math.inf, expected_lse == -math.inf)
@@ -62,9 +65,9 @@ def test_reference_equals_dense_sdpa_over_live_tokens(case):
     torch.testing.assert_close(got.lse[finite], expected_lse[finite], atol=1e-4, rtol=1e-5)
 
 
-@given(attention_cases())
+@given(attention_cases(windows=True))
 def test_weights_are_a_distribution_over_visible_tokens(case):
-    got = paged_attention(*case.args(), return_weights=True)
+    got = paged_attention(*case.args(), **case.kwargs(), return_weights=True)
     sums = got.weights.sum(-1)  # [B, H_q, T_q]
     seen = (got.lse > -math.inf).permute(0, 2, 1)
     torch.testing.assert_close(sums[seen], torch.ones_like(sums[seen]), atol=1e-5, rtol=0)

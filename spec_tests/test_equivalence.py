@@ -40,8 +40,8 @@ def assert_lse_close(actual, expected, what):
 # ----------------------------------------------------------------------------- cases per op
 @st.composite
 def attention_inputs(draw):
-    case = draw(attention_cases())
-    return case.args(), {"return_weights": True}, case.query.dtype
+    case = draw(attention_cases(windows=True))
+    return case.args(), {"return_weights": True, **case.kwargs()}, case.query.dtype
 
 
 def compare_attention(fast, ref, dtype):
