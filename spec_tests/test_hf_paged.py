@@ -8,15 +8,21 @@ position mistake changes tokens). The DynamicCache side runs eager and sdpa; our
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import transformers
-from packaging.version import Version
 from transformers import (
     AutoModelForCausalLM,
     DynamicCache,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GenerationMixin,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
@@ -25,9 +31,10 @@ import kvstack.hf as kvstack_hf
 from kvstack.errors import KVStackError
 from kvstack.hf import PagedCache
 
-# transformers renamed generate's past_key_values= to cache= (the old name still works, deprecated).
+# transformers 5.24 renamed generate's past_key_values= to cache= (the old name still works,
+# deprecated). Detect the feature, not the version: on 5.17, model(..., cache=c) is silently ignored.
 CACHE_KEYWORDS = ["past_key_values"]
-if Version(transformers.__version__) >= Version("5.24"):
+if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters:
     CACHE_KEYWORDS.append("cache")
 
 TINY = dict(
@@ -41,14 +48,24 @@ TINY = dict(
 )
 
 
+# family -> (config class, model class, extra config); windows of 8 tokens so that the sliding
+# layers' masks matter within the test prompts.
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 8}),
+    "gemma3": (
+        Gemma3TextConfig,
+        Gemma3ForCausalLM,
+        {"head_dim": 16, "sliding_window": 8, "sliding_window_pattern": 2},  # sliding, global, ...
+    ),
+}
+
+
 def tiny_model(family: str, attn: str = "eager"):
     torch.manual_seed(0)
-    if family == "llama":
-        config = LlamaConfig(**TINY)
-        model = LlamaForCausalLM(config)
-    else:
-        config = Qwen2Config(**TINY)
-        model = Qwen2ForCausalLM(config)
+    config_class, model_class, extra = FAMILIES[family]
+    model = model_class(config_class(**TINY, **extra))
     model.set_attn_implementation(attn)
     return model.eval()
 
@@ -76,7 +93,7 @@ def _quiet_deprecations():
 
 @pytest.mark.parametrize("keyword", CACHE_KEYWORDS)
 @pytest.mark.parametrize("reference_attn", ["eager", "sdpa"])
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_tokens_equal_dynamic_cache(family, reference_attn, keyword):
     model = tiny_model(family)
     ids = torch.randint(1, 256, (1, 40), generator=torch.Generator().manual_seed(1))
@@ -103,7 +120,7 @@ def test_paged_cache_under_sdpa_gives_the_same_tokens(block_size):
     )
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_batch_with_left_padding(family):
     model = tiny_model(family)
     gen = torch.Generator().manual_seed(3)
@@ -183,3 +200,9 @@ def test_encoder_decoder_config_is_refused():
     )
     with pytest.raises(KVStackError, match="encoder-decoder"):
         PagedCache(config)
+
+
+def test_sliding_layers_get_their_window():
+    cache = PagedCache(tiny_model("gemma3").config)
+    assert [layer.window for layer in cache.layers] == [8, None, 8]
+    assert cache.is_sliding == [True, False, True]

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from kvstack import ops
+from kvstack.errors import KVStackError
 
 ATTENTION_NAME = "kvstack"
 
@@ -81,17 +82,31 @@ def kvstack_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention function with transformers' signature: query [B, H_q, T_q, D], key/value as
     returned by the cache's ``update``; returns ([B, T_q, H_q, D], weights or None)."""
+    unsupported = {k: kwargs[k] for k in ("softcap", "s_aux", "sinks") if kwargs.get(k) is not None}
+    if unsupported:
+        raise KVStackError(
+            f"the kvstack attention does not implement {sorted(unsupported)} (used by "
+            f"{type(module).__name__}); load this model with attn_implementation='sdpa' or 'eager'"
+        )
     attention = ops.get("paged_attention", _BACKEND)
+    window = kwargs.get("sliding_window")
     query_bthd = query.transpose(1, 2)  # [B, T_q, H_q, D]
     t_q = query.shape[2]
     layer = STEP.layer
-    if layer is not None and STEP.key is key:
+    if layer is not None:
+        if STEP.key is not key:
+            raise KVStackError(
+                f"layer {layer.layer_idx} of the kvstack cache stored K/V, but the attention call "
+                f"of {type(module).__name__} received other key states; this model transforms K/V "
+                "between the cache and attention, which the kvstack attention does not support"
+            )
         STEP.layer, STEP.key = None, None  # one update, one attention call
         if attention_mask is not None and attention_mask.dim() == 2:
             layer.evict_padding(attention_mask[:, -t_q:])
         key_cache, value_cache, slots, key_positions = layer.attention_view()
         query_positions = layer.query_positions(t_q)
         want_weights = layer.wants_attention_weights()
+        window = layer.window if layer.window is not None else window
     else:
         # No kvstack cache behind this call: plain causal attention over the given K/V.
         key_cache, value_cache, slots = _contiguous_as_table(key, value)
@@ -109,6 +124,7 @@ def kvstack_attention(
         key_positions,
         query_positions,
         scale=scaling,
+        window=window,
         return_weights=want_weights,
     )
     if layer is not None and want_weights:

@@ -17,7 +17,13 @@ import math
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import (
+    Cache,
+    CacheLayerMixin,
+    DynamicCache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+)
 
 from kvstack.errors import InvalidArgumentError, KVStackError
 from kvstack.hf import attention as kv_attention
@@ -25,19 +31,27 @@ from kvstack.reference.block_pool import BlockPool
 from kvstack.reference.checks import check_positive_int
 from kvstack.reference.token_table import TokenTable
 
+# The layer classes DynamicCache uses for plain (full or sliding) attention: the ones we page.
+_ATTENTION_LAYER_TYPES = (DynamicLayer, DynamicSlidingWindowLayer)
+
 
 class PagedLayer(CacheLayerMixin):
     """One attention layer: a block pool and a token table per batch row."""
 
     is_compileable = False
     is_croppable = False
-    is_sliding = False
 
-    def __init__(self, cache: PagedCache, layer_idx: int, block_size: int) -> None:
+    def __init__(
+        self, cache: PagedCache, layer_idx: int, block_size: int, window: int | None = None
+    ) -> None:
         super().__init__()
         self.cache = cache
         self.layer_idx = layer_idx
         self.block_size = block_size
+        # A sliding-window layer (Mistral, Gemma's local layers) attends to its last ``window``
+        # positions; PagedCache keeps every token and the attention applies the window.
+        self.window = window
+        self.is_sliding = window is not None
         self.pool: BlockPool | None = None
         self.tables: list[TokenTable] = []
 
@@ -201,7 +215,6 @@ class PagedCache(Cache):
 
     def __init__(self, config: Any, *, block_size: int = 16, **layer_kwargs: Any) -> None:
         check_positive_int("block_size", block_size)
-        text_config = config.get_text_config(decoder=True)
         if getattr(config, "is_encoder_decoder", False):
             raise KVStackError(
                 f"config describes an encoder-decoder model ({config.model_type}); kvstack caches "
@@ -209,24 +222,20 @@ class PagedCache(Cache):
             )
         self.config = config
         self.block_size = block_size
-        self.num_kv_heads = (
-            getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
-        )
-        layer_types = (
-            getattr(text_config, "layer_types", None)
-            or ["full_attention"] * text_config.num_hidden_layers
-        )
-        unsupported = sorted({t for t in layer_types if t != "full_attention"})
-        if unsupported:
-            raise KVStackError(
-                f"config has layer types {unsupported}; this version of {type(self).__name__} "
-                "supports full_attention layers only"
-            )
-        layers = [
-            self.layer_class(self, index, block_size, **layer_kwargs)
-            for index in range(len(layer_types))
-        ]
+        # Start from the layers transformers itself would build, so hybrid models keep their
+        # state layers (conv / recurrent, "linear_attention", "conv", ...) exactly as the model
+        # expects, and replace each plain attention layer with a paged one.
+        layers = []
+        for index, layer in enumerate(DynamicCache(config=config).layers):
+            if type(layer) in _ATTENTION_LAYER_TYPES:
+                window = getattr(layer, "sliding_window", None)
+                layer = self.layer_class(self, index, block_size, window, **layer_kwargs)
+            layers.append(layer)
         super().__init__(layers=layers)
+
+    @property
+    def paged_layers(self) -> list[PagedLayer]:
+        return [layer for layer in self.layers if isinstance(layer, PagedLayer)]
 
     def uses_kvstack_attention(self) -> bool:
         return getattr(self.config, "_attn_implementation", None) == kv_attention.ATTENTION_NAME
@@ -235,7 +244,7 @@ class PagedCache(Cache):
         """Exact memory counts over all layers (blocks held by tables, not pool capacity)."""
         blocks = live = 0
         block_bytes = 0
-        for layer in self.layers:
+        for layer in self.paged_layers:
             if not layer.is_initialized:
                 continue
             pool = layer.pool
@@ -244,7 +253,7 @@ class PagedCache(Cache):
             )
             blocks += sum(len(t.blocks) for t in layer.tables)
             live += sum(t.num_live for t in layer.tables)
-        seen = self.get_seq_length()
+        seen = max((layer.get_seq_length() for layer in self.paged_layers), default=0)
         capacity = blocks * self.block_size
         return {
             "blocks_allocated": blocks,
