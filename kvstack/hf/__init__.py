@@ -5,6 +5,7 @@ Importing this module registers ``attn_implementation="kvstack"`` with transform
 
 from kvstack.hf.attention import ATTENTION_NAME, kvstack_attention, register, set_backend
 from kvstack.hf.paged import PagedCache, PagedLayer
+from kvstack.hf.token_table_cache import TokenTableCache, TokenTableLayer
 
 register()
 
@@ -12,6 +13,8 @@ __all__ = [
     "ATTENTION_NAME",
     "PagedCache",
     "PagedLayer",
+    "TokenTableCache",
+    "TokenTableLayer",
     "kvstack_attention",
     "register",
     "set_backend",

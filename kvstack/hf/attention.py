@@ -104,6 +104,7 @@ def kvstack_attention(
         if attention_mask is not None and attention_mask.dim() == 2:
             layer.evict_padding(attention_mask[:, -t_q:])
         key_cache, value_cache, slots, key_positions = layer.attention_view()
+        query_bthd = layer.split_query(query_bthd)  # one row per token table
         query_positions = layer.query_positions(t_q)
         want_weights = layer.wants_attention_weights()
         window = layer.window if layer.window is not None else window
@@ -127,9 +128,10 @@ def kvstack_attention(
         window=window,
         return_weights=want_weights,
     )
-    if layer is not None and want_weights:
-        layer.observe_attention(result.weights)
-    return result.out, result.weights
+    if layer is None:
+        return result.out, result.weights
+    layer.after_attention(result.weights if want_weights else None)
+    return layer.merge_output(result.out), None
 
 
 def register() -> None:

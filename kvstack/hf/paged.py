@@ -62,20 +62,30 @@ class PagedLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, num_kv_heads, _, head_dim = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
+        # One table per row holding all KV heads, or (per-head eviction) one table per row and
+        # KV head: each head then keeps its own tokens. Tables are row-major: row * groups + g.
+        self.heads_per_table = 1 if self.per_head_tables() else num_kv_heads
+        self.groups = num_kv_heads // self.heads_per_table
         self.pool = BlockPool(
             1,
             self.block_size,
-            num_kv_heads,
+            self.heads_per_table,
             head_dim,
             dtype=key_states.dtype,
             device=key_states.device,
         )
         self.pool.free([self.pool.allocate(1)[0]])  # a valid empty pool; grown on demand
-        self.tables = [TokenTable(self.block_size, device=key_states.device) for _ in range(batch)]
+        self.tables = [
+            TokenTable(self.block_size, device=key_states.device)
+            for _ in range(batch * self.groups)
+        ]
         self.is_initialized = True
 
+    def per_head_tables(self) -> bool:
+        return False
+
     def _reserve(self, new_tokens: int) -> None:
-        """Grow the pool (doubling) so that every row can append ``new_tokens`` tokens."""
+        """Grow the pool (doubling) so that every table can append ``new_tokens`` tokens."""
         needed = sum(
             math.ceil(max(0, new_tokens - len(table.free_slots)) / self.block_size)
             for table in self.tables
@@ -89,26 +99,27 @@ class PagedLayer(CacheLayerMixin):
         """Store the step's K/V ([B, H_kv, T, D]); return what the attention function needs."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        batch, _, new_tokens, _ = key_states.shape
-        if batch != len(self.tables):
+        batch, _, new_tokens, head_dim = key_states.shape
+        if batch != self.batch_size:
             raise InvalidArgumentError(
                 f"key_states has batch {batch}, but layer {self.layer_idx} of this cache holds "
-                f"{len(self.tables)} rows; use a fresh cache for a new batch"
+                f"{self.batch_size} rows; use a fresh cache for a new batch"
             )
         self._reserve(new_tokens)
-        for row, table in enumerate(self.tables):
-            table.append(
-                self.pool,
-                key_states[row].transpose(0, 1),  # [T, H_kv, D]
-                value_states[row].transpose(0, 1),
-            )
+        # [B, H_kv, T, D] -> [B * groups, T, heads_per_table, D]: one slab per table.
+        shape = (batch * self.groups, self.heads_per_table, new_tokens, head_dim)
+        key_slabs = key_states.reshape(shape).transpose(1, 2)
+        value_slabs = value_states.reshape(shape).transpose(1, 2)
+        for index, table in enumerate(self.tables):
+            table.append(self.pool, key_slabs[index], value_slabs[index])
         if self.cache.uses_kvstack_attention():
             kv_attention.STEP.layer, kv_attention.STEP.key = self, key_states
             return key_states, value_states
         return self.gather_contiguous()
 
     def gather_contiguous(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """All rows' live K/V as [B, H_kv, T, D] (for eager/sdpa attention; needs equal lengths)."""
+        """All rows' live K/V as [B, H_kv, T, D] (for eager/sdpa attention; needs one table per
+        row and equal lengths)."""
         rows = [self.pool.read(table.live_slots()) for table in self.tables]
         keys = torch.stack([k for k, _ in rows]).transpose(1, 2)  # [B, H_kv, T, D]
         values = torch.stack([v for _, v in rows]).transpose(1, 2)
@@ -116,7 +127,8 @@ class PagedLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ what attention reads
     def attention_view(self):
-        """(key_cache, value_cache, slots [B, T_k], positions [B, T_k]) with -1 padding."""
+        """(key_cache, value_cache, slots [N, T_k], positions [N, T_k]) with -1 padding, where
+        N = B * groups is the number of tables."""
         slots = torch.nn.utils.rnn.pad_sequence(
             [table.live_slots() for table in self.tables], batch_first=True, padding_value=-1
         )
@@ -126,18 +138,39 @@ class PagedLayer(CacheLayerMixin):
         )
         return self.pool.key, self.pool.value, slots, positions
 
+    def split_query(self, query: torch.Tensor) -> torch.Tensor:
+        """[B, T_q, H_q, D] -> [B * groups, T_q, H_q / groups, D]: each table's query heads."""
+        batch, t_q, h_q, head_dim = query.shape
+        if self.groups == 1:
+            return query
+        grouped = query.reshape(batch, t_q, self.groups, h_q // self.groups, head_dim)
+        return grouped.transpose(1, 2).reshape(
+            batch * self.groups, t_q, h_q // self.groups, head_dim
+        )
+
+    def merge_output(self, out: torch.Tensor) -> torch.Tensor:
+        """Inverse of ``split_query``: [B * groups, T_q, H', D] -> [B, T_q, groups * H', D]."""
+        if self.groups == 1:
+            return out
+        tables, t_q, heads, head_dim = out.shape
+        grouped = out.reshape(tables // self.groups, self.groups, t_q, heads, head_dim)
+        return grouped.transpose(1, 2).reshape(
+            tables // self.groups, t_q, self.groups * heads, head_dim
+        )
+
     def query_positions(self, query_length: int) -> torch.Tensor:
-        """Logical indices of the last ``query_length`` tokens of each row: [B, T_q]."""
+        """Logical indices of the last ``query_length`` tokens of each table: [N, T_q]."""
         seen = self.tables[0].num_tokens
         start = seen - query_length
         return torch.arange(start, seen, device=self.device).expand(len(self.tables), query_length)
 
     def evict_padding(self, new_token_mask: torch.Tensor) -> None:
-        """Evict this step's padding tokens (mask False) so attention never reads them."""
+        """Evict this step's padding tokens (mask [B, T_q] False) so attention never reads them."""
         if bool(new_token_mask.all()):
             return
         start = self.tables[0].num_tokens - new_token_mask.shape[1]
-        for row, table in enumerate(self.tables):
+        for index, table in enumerate(self.tables):
+            row = index // self.groups
             padding = (~new_token_mask[row].bool()).nonzero().flatten() + start
             if padding.numel():
                 table.evict(padding.to(table.device))
@@ -145,8 +178,9 @@ class PagedLayer(CacheLayerMixin):
     def wants_attention_weights(self) -> bool:
         return False
 
-    def observe_attention(self, weights: torch.Tensor) -> None:
-        """Attention weights of the step ([B, H_q, T_q, T_k]); used by eviction policies."""
+    def after_attention(self, weights: torch.Tensor | None) -> None:
+        """Called after each step's attention with its weights ([N, H', T_q, T_k]) when
+        ``wants_attention_weights``; PagedCache keeps everything."""
 
     # ------------------------------------------------------------------ transformers API
     def get_seq_length(self) -> int:
@@ -172,7 +206,7 @@ class PagedLayer(CacheLayerMixin):
         old = self.tables
         taken: set[int] = set()
         new_tables = []
-        for source in rows:
+        for source in (row * self.groups + g for row in rows for g in range(self.groups)):
             if source not in taken:  # first use: take the table over, no copy
                 taken.add(source)
                 new_tables.append(old[source])
@@ -201,7 +235,7 @@ class PagedLayer(CacheLayerMixin):
 
     @property
     def batch_size(self) -> int:
-        return len(self.tables)
+        return len(self.tables) // self.groups if self.is_initialized else 0
 
 
 class PagedCache(Cache):
@@ -222,6 +256,13 @@ class PagedCache(Cache):
             )
         self.config = config
         self.block_size = block_size
+        text_config = config.get_text_config(decoder=True)
+        self.expected_kv_heads = getattr(text_config, "num_key_value_heads", None) or getattr(
+            text_config, "num_attention_heads", None
+        )
+        self.expected_head_dim = getattr(text_config, "head_dim", None) or (
+            text_config.hidden_size // text_config.num_attention_heads
+        )
         # Start from the layers transformers itself would build, so hybrid models keep their
         # state layers (conv / recurrent, "linear_attention", "conv", ...) exactly as the model
         # expects, and replace each plain attention layer with a paged one.
@@ -233,6 +274,26 @@ class PagedCache(Cache):
             layers.append(layer)
         super().__init__(layers=layers)
 
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ):
+        # A cache serves the model it was built for; say so instead of failing somewhere deeper.
+        if layer_idx >= len(self.layers):
+            raise KVStackError(
+                f"layer_idx {layer_idx} is out of range: this {type(self).__name__} was built for a "
+                f"model with {len(self.layers)} layers ({self.config.model_type}); build a cache "
+                "from the config of the model you generate with"
+            )
+        heads, head_dim = key_states.shape[1], key_states.shape[-1]
+        if (heads, head_dim) != (self.expected_kv_heads, self.expected_head_dim):
+            raise KVStackError(
+                f"layer {layer_idx} got key_states with {heads} KV heads of dim {head_dim}, but this "
+                f"{type(self).__name__} was built for a model with {self.expected_kv_heads} KV heads "
+                f"of dim {self.expected_head_dim}; build a cache from the config of the model you "
+                "generate with"
+            )
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
     @property
     def paged_layers(self) -> list[PagedLayer]:
         return [layer for layer in self.layers if isinstance(layer, PagedLayer)]
@@ -241,9 +302,9 @@ class PagedCache(Cache):
         return getattr(self.config, "_attn_implementation", None) == kv_attention.ATTENTION_NAME
 
     def stats(self) -> dict[str, float]:
-        """Exact memory counts over all layers (blocks held by tables, not pool capacity)."""
-        blocks = live = 0
-        block_bytes = 0
+        """Exact memory counts over all paged layers (blocks held by tables, not pool capacity)."""
+        blocks = live_entries = capacity = 0
+        total_bytes = live_tokens = 0.0
         for layer in self.paged_layers:
             if not layer.is_initialized:
                 continue
@@ -251,15 +312,18 @@ class PagedCache(Cache):
             block_bytes = (
                 pool.block_size * pool.num_kv_heads * pool.head_dim * pool.key.element_size() * 2
             )
-            blocks += sum(len(t.blocks) for t in layer.tables)
-            live += sum(t.num_live for t in layer.tables)
-        seen = max((layer.get_seq_length() for layer in self.paged_layers), default=0)
-        capacity = blocks * self.block_size
+            layer_blocks = sum(len(t.blocks) for t in layer.tables)
+            layer_live = sum(t.num_live for t in layer.tables)
+            blocks += layer_blocks
+            total_bytes += layer_blocks * block_bytes
+            capacity += layer_blocks * self.block_size
+            live_entries += layer_live
+            live_tokens += layer_live / layer.groups  # per-head tables: token-equivalents
         return {
-            "blocks_allocated": blocks,
-            "live_tokens": live,
-            "seen_tokens": seen,
+            "blocks_allocated": blocks,  # all layers and tables (per-head tables: 1-head blocks)
+            "live_tokens": live_tokens,  # all layers and rows
+            "seen_tokens": max((layer.get_seq_length() for layer in self.paged_layers), default=0),
             "repacks": 0,
-            "bytes": blocks * block_bytes,
-            "waste": 1.0 - live / capacity if capacity else 0.0,
+            "bytes": int(total_bytes),  # K and V bytes of the blocks held
+            "waste": 1.0 - live_entries / capacity if capacity else 0.0,
         }

@@ -1,0 +1,186 @@
+"""TokenTableCache: budgets hold, reclamation is lossless against Naive-Evict, StreamingLLM is
+exact against a full cache with the evicted positions masked out, and bad input is refused."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from kvstack.errors import InvalidArgumentError, KVStackError
+from kvstack.hf import PagedCache, TokenTableCache
+from kvstack.policies import H2O, TOVA, RandomEviction, Scissorhands, SnapKV, StreamingLLM
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=512,
+)
+POLICIES = {
+    "h2o": lambda: H2O(),
+    "scissorhands": lambda: Scissorhands(history=8, recent_tokens=4),
+    "random": lambda: RandomEviction(seed=3),
+    "streamingllm": lambda: StreamingLLM(sink_tokens=4),
+    "snapkv": lambda: SnapKV(window=8, kernel_size=3),
+    "tova": lambda: TOVA(),
+}
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        yield
+
+
+def tiny_llama(attn="kvstack", layers=2):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**TINY, "num_hidden_layers": layers})).eval()
+    model.set_attn_implementation(attn)
+    return model
+
+
+def prompt(length=60, batch=1, seed=1):
+    return torch.randint(1, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def generate(model, ids, cache, **kwargs):
+    kwargs.setdefault("max_new_tokens", 20)
+    return model.generate(ids, past_key_values=cache, do_sample=False, pad_token_id=0, **kwargs)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_reclaim_gives_naive_evict_tokens_in_fewer_bytes(name):
+    model, ids = tiny_llama(), prompt()
+    caches = {
+        reclaim: TokenTableCache(
+            model.config, POLICIES[name](), budget=24, block_size=4, reclaim=reclaim
+        )
+        for reclaim in (True, False)
+    }
+    outputs = {reclaim: generate(model, ids, cache) for reclaim, cache in caches.items()}
+    assert torch.equal(outputs[True], outputs[False]), (
+        "reclamation must not change what the model reads"
+    )
+    reclaimed, naive = caches[True].stats(), caches[False].stats()
+    assert reclaimed["live_tokens"] == naive["live_tokens"] == 2 * 24  # 2 layers at budget
+    assert reclaimed["bytes"] < naive["bytes"]
+    assert reclaimed["repacks"] > 0 and naive["repacks"] == 0
+    for layer in caches[True].paged_layers:
+        for table in layer.tables:
+            assert table.num_live <= 24
+            table.check_invariants()
+            # Repacked down to at most one partly filled block beyond ceil(live / block_size)
+            # (appends refill holes; a repack runs only when waste exceeds the threshold).
+            assert len(table.blocks) <= math.ceil(table.num_live / 4) + 1
+
+
+def test_budget_by_ratio_follows_each_rows_real_prompt():
+    model = tiny_llama()
+    ids = prompt(40, batch=2)
+    mask = torch.ones_like(ids)
+    mask[0, :20] = 0  # row 0 has 20 real tokens, row 1 has 40
+    ids[mask == 0] = 0
+    cache = TokenTableCache(model.config, StreamingLLM(sink_tokens=2), ratio=0.5, block_size=4)
+    generate(model, ids, cache, attention_mask=mask, max_new_tokens=6)
+    live = [table.num_live for table in cache.layers[0].tables]
+    assert live == [10, 20]
+
+
+def streaming_reference(model, ids, sinks, budget, steps):
+    """Greedy decoding with a full DynamicCache and eager attention, where each decode query
+    may see only the sinks and the last ``budget - sinks`` tokens before it (a 4D mask)."""
+    model.set_attn_implementation("eager")
+    cache = DynamicCache(config=model.config)
+    logits = model(ids, past_key_values=cache).logits[:, -1]
+    tokens = [int(logits.argmax(-1))]
+    for _ in range(steps - 1):
+        seen = cache.get_seq_length()
+        visible = torch.zeros(seen + 1, dtype=torch.bool)
+        visible[:sinks] = True
+        visible[seen - (budget - sinks) :] = True  # the recent window and the query itself
+        mask = torch.zeros(1, 1, 1, seen + 1).masked_fill(~visible, torch.finfo(torch.float32).min)
+        out = model(
+            torch.tensor([[tokens[-1]]]),
+            past_key_values=cache,
+            attention_mask=mask,
+            position_ids=torch.tensor([[seen]]),
+        )
+        tokens.append(int(out.logits[:, -1].argmax(-1)))
+    return tokens
+
+
+def test_streamingllm_equals_full_cache_with_evicted_positions_masked():
+    model, ids = tiny_llama(layers=3), prompt(50)
+    sinks, budget, steps = 4, 16, 24
+    expected = streaming_reference(model, ids, sinks, budget, steps)
+    model.set_attn_implementation("kvstack")
+    cache = TokenTableCache(
+        model.config, StreamingLLM(sink_tokens=sinks), budget=budget, block_size=4
+    )
+    got = generate(model, ids, cache, max_new_tokens=steps)[0, 50:].tolist()
+    assert got == expected
+
+
+def test_token_table_cache_runs_beam_search_and_keeps_budgets():
+    model, ids = tiny_llama(), prompt(30, batch=2)
+    cache = TokenTableCache(model.config, H2O(), budget=12, block_size=4)
+    out = generate(model, ids, cache, num_beams=3, max_new_tokens=10)
+    assert out.shape[0] == 2
+    assert all(t.num_live <= 12 for layer in cache.paged_layers for t in layer.tables)
+
+
+# ----------------------------------------------------------------------------- bad input
+def test_budget_smaller_than_what_the_policy_must_keep():
+    config = tiny_llama().config
+    with pytest.raises(InvalidArgumentError, match=r"budget=3 .*StreamingLLM.*>= 5"):
+        TokenTableCache(config, StreamingLLM(sink_tokens=4), budget=3)
+    with pytest.raises(InvalidArgumentError, match=r"budget=10 .*>= 21"):
+        TokenTableCache(config, Scissorhands(recent_tokens=20), budget=10)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({}, "exactly one of budget and ratio"),
+        ({"budget": 8, "ratio": 0.5}, "exactly one of budget and ratio"),
+        ({"ratio": 1.5}, "ratio must be in (0, 1]"),
+        ({"budget": 8, "repack_threshold": 1.0}, "repack_threshold"),
+    ],
+)
+def test_budget_arguments_are_checked(kwargs, words):
+    with pytest.raises(
+        InvalidArgumentError,
+        match=words.replace("(", r"\(").replace(")", r"\)").replace("[", r"\["),
+    ):
+        TokenTableCache(tiny_llama().config, H2O(), **kwargs)
+
+
+def test_policy_that_needs_weights_on_another_attention_says_how_to_switch():
+    model = tiny_llama(attn="sdpa")
+    cache = TokenTableCache(model.config, H2O(), budget=16)
+    with pytest.raises(KVStackError, match=r"set_attn_implementation\('kvstack'\)"):
+        generate(model, prompt(), cache)
+
+
+def test_cache_built_for_another_model_is_refused():
+    model = tiny_llama()
+    other = LlamaConfig(**{**TINY, "num_key_value_heads": 4})
+    for cache in (PagedCache(other), TokenTableCache(other, H2O(), budget=16)):
+        with pytest.raises(KVStackError, match="built for a model with 4 KV heads"):
+            generate(model, prompt(), cache)
+    deeper = tiny_llama(layers=3)
+    with pytest.raises(KVStackError, match="built for a model with 2 layers"):
+        generate(deeper, prompt(), PagedCache(model.config))
+
+
+def test_policy_must_be_a_policy():
+    with pytest.raises(InvalidArgumentError, match="policy must be an EvictionPolicy"):
+        TokenTableCache(tiny_llama().config, "h2o", budget=16)
