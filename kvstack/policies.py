@@ -19,6 +19,7 @@ and repacks unchanged.
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -59,7 +60,10 @@ class EvictionPolicy:
         self.recent_tokens = _check_count("recent_tokens", recent_tokens)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(sink_tokens={self.sink_tokens}, recent_tokens={self.recent_tokens})"
+        # Valid Python: the subclass's own constructor arguments, read back from its attributes.
+        names = [p for p in inspect.signature(type(self).__init__).parameters if p != "self"]
+        args = ", ".join(f"{name}={getattr(self, name)!r}" for name in names)
+        return f"{type(self).__name__}({args})"
 
     def min_budget(self) -> int:
         """The smallest budget this policy can honour: everything it must keep, plus one."""
@@ -110,7 +114,7 @@ class RandomEviction(EvictionPolicy):
 
     def __init__(self, *, seed: int = 0, sink_tokens: int = 0, recent_tokens: int = 0) -> None:
         super().__init__(sink_tokens=sink_tokens, recent_tokens=recent_tokens)
-        self.seed = seed
+        self.seed = _check_count("seed", seed)
 
     def init_state(self, table: TokenTable) -> torch.Generator:
         return torch.Generator().manual_seed(self.seed)
@@ -134,6 +138,14 @@ class H2O(EvictionPolicy):
             )
         super().__init__(sink_tokens=sink_tokens)
         self.recent_fraction = recent_fraction
+
+    def min_budget(self) -> int:
+        # The recent window grows with the budget: the sinks, int(recent_fraction * budget)
+        # recent tokens and one heavy hitter must fit, or a protected token would be evicted.
+        budget = self.sink_tokens + 1
+        while self.sink_tokens + int(self.recent_fraction * budget) + 1 > budget:
+            budget += 1
+        return budget
 
     def protected(self, live: int, budget: int) -> torch.Tensor:
         keep = super().protected(live, budget)
@@ -162,10 +174,14 @@ class TOVA(EvictionPolicy):
         return {}
 
     def observe(self, state: dict, table: TokenTable, weights: torch.Tensor) -> None:
-        state["last"] = weights[:, -1, :].mean(dim=0).float().cpu()  # [L]
+        last = torch.zeros(table.num_tokens)  # by logical index, so it survives evictions
+        last[table.live_indices().cpu()] = weights[:, -1, :].mean(dim=0).float().cpu()
+        state["last"] = last
 
     def scores(self, state: dict, table: TokenTable) -> torch.Tensor:
-        return state["last"]
+        last = torch.zeros(table.num_tokens)
+        last[: state["last"].numel()] = state["last"]
+        return last[table.live_indices().cpu()]
 
 
 class Scissorhands(EvictionPolicy):
@@ -211,7 +227,7 @@ class SnapKV(EvictionPolicy):
 
     def __init__(self, *, window: int = 32, kernel_size: int = 7) -> None:
         super().__init__(recent_tokens=_check_count("window", window, minimum=1))
-        if kernel_size % 2 == 0 or kernel_size < 1:
+        if _check_count("kernel_size", kernel_size, minimum=1) % 2 == 0:
             raise InvalidArgumentError(
                 f"kernel_size must be a positive odd integer, got {kernel_size!r}"
             )
@@ -235,10 +251,19 @@ class SnapKV(EvictionPolicy):
         votes = torch.zeros(table.num_tokens)
         for row in state["rows"]:
             votes[: row.numel()] += row
-        pooled = F.max_pool1d(
-            votes[live][None, None], self.kernel_size, stride=1, padding=self.kernel_size // 2
-        )
-        return pooled[0, 0]
+        votes = votes[live]
+        # SnapKV (Listing 1) pools the prefix only: the window is kept whole, and its own votes
+        # must not leak into the scores of the prefix tokens next to it.
+        prefix = max(live.numel() - self.window, 0)
+        if prefix:
+            pooled = F.max_pool1d(
+                votes[None, None, :prefix],
+                self.kernel_size,
+                stride=1,
+                padding=self.kernel_size // 2,
+            )
+            votes[:prefix] = pooled[0, 0]
+        return votes
 
 
 __all__ = [

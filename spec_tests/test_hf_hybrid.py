@@ -14,7 +14,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from kvstack.hf import PagedCache, PagedLayer
+from kvstack.hf import PagedCache, PagedLayer, TokenTableCache
+from kvstack.policies import H2O
 
 BASE = dict(
     initializer_range=0.2,
@@ -104,3 +105,29 @@ def test_hybrid_greedy_tokens_equal_transformers_cache(name):
     assert (
         len(cache.paged_layers) == 2 and cache.stats()["blocks_allocated"] == 2 * 2
     )  # 31 tokens, 16/block
+
+
+@pytest.mark.parametrize("name", ["jamba", "lfm2"])
+def test_hybrid_token_table_cache_evicts_attention_layers_only(name):
+    config = hybrid_config(name)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="kvstack").eval()
+    ids = torch.randint(2, 120, (1, 30), generator=torch.Generator().manual_seed(2))
+    outputs, caches = {}, {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for reclaim in (True, False):
+            caches[reclaim] = TokenTableCache(
+                model.config, H2O(), budget=12, block_size=4, reclaim=reclaim
+            )
+            outputs[reclaim] = model.generate(
+                ids, max_new_tokens=10, do_sample=False, past_key_values=caches[reclaim]
+            )
+    assert torch.equal(outputs[True], outputs[False])
+    for layer in caches[True].paged_layers:
+        assert all(table.num_live == 12 for table in layer.tables)
+    assert caches[True].stats()["bytes"] < caches[False].stats()["bytes"]
+    state_layers = [layer for layer in caches[True].layers if not isinstance(layer, PagedLayer)]
+    assert state_layers and all(
+        type(layer).__name__ == "LinearAttentionLayer" for layer in state_layers
+    )

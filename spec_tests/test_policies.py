@@ -1,0 +1,492 @@
+"""Eviction policies pinned to their papers on hand-made attention weights.
+
+Every expected answer is computed here, in plain Python, from the paper's rule (never by calling
+the policy's own scoring code): H2O accumulates attention (Zhang et al., NeurIPS'23), TOVA reads
+the newest query (Oren et al., 2024), Scissorhands counts importance over a history (Liu et al.,
+NeurIPS'23), SnapKV pools the votes of an observation window (Li et al., 2024), StreamingLLM keeps
+sinks and the recent tokens (Xiao et al., ICLR'24). The shared ``choose_victims`` is checked
+against ``expected_victims`` below, and a hypothesis property runs every policy on random tables
+with evicted gaps.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvstack.errors import InvalidArgumentError
+from kvstack.policies import (
+    H2O,
+    TOVA,
+    EvictionPolicy,
+    RandomEviction,
+    Scissorhands,
+    SnapKV,
+    StreamingLLM,
+)
+from kvstack.reference.block_pool import BlockPool
+from kvstack.reference.token_table import TokenTable
+
+# ----------------------------------------------------------------- helpers
+
+
+def make_table(
+    num_tokens: int, evicted: tuple[int, ...] = (), block_size: int = 4
+) -> tuple[BlockPool, TokenTable]:
+    """A table of ``num_tokens`` logical tokens, ``evicted`` of them dead (gaps)."""
+    pool = BlockPool(64, block_size, num_kv_heads=1, head_dim=1)
+    table = TokenTable(block_size)
+    append(pool, table, num_tokens)
+    if evicted:
+        table.evict(list(evicted))
+    return pool, table
+
+
+def append(pool: BlockPool, table: TokenTable, n: int) -> None:
+    table.append(pool, torch.zeros(n, 1, 1), torch.zeros(n, 1, 1))
+
+
+def live(table: TokenTable) -> list[int]:
+    return table.live_indices().tolist()
+
+
+def weights_from(rows: dict[tuple[int, int], dict[int, float]], table, heads, queries):
+    """[heads, T_q, L] weights: ``rows[(head, query)]`` maps a logical index to its weight."""
+    order = live(table)
+    w = torch.zeros(heads, queries, len(order))
+    for (head, query), row in rows.items():
+        for index, value in row.items():
+            w[head, query, order.index(index)] = value
+    return w
+
+
+def enumerate_rows(rows: list[dict[int, float]]):
+    """Rows of one head, query by query, as ``weights_from`` items."""
+    return (((0, q), row) for q, row in enumerate(rows))
+
+
+def expected_victims(score: dict[int, float], keep: set[int], alive: list[int], budget: int):
+    """The shared rule by hand: the ``L - budget`` unprotected live tokens of lowest score, ties
+    to the older (smaller logical index) token, returned in ascending order."""
+    excess = len(alive) - budget
+    if excess <= 0:
+        return []
+    candidates = sorted((score[i], i) for i in alive if i not in keep)
+    return sorted(i for _, i in candidates[:excess])
+
+
+def victims(policy, state, table, budget) -> list[int]:
+    return policy.choose_victims(state, table, budget).tolist()
+
+
+# ----------------------------------------------------------------- H2O
+
+
+def test_h2o_accumulates_over_queries_heads_and_steps_by_logical_index():
+    pool, table = make_table(6)
+    policy = H2O(recent_fraction=0.0)
+    state = policy.init_state(table)
+    observed = []  # (live indices, {(head, query): {index: weight}}) in the order seen
+
+    step1 = {
+        (0, 0): {0: 0.5, 1: 0.25, 2: 0.25},
+        (0, 1): {2: 0.75, 4: 0.25},
+        (1, 0): {1: 0.5, 5: 0.5},
+        (1, 1): {0: 0.125, 3: 0.875},
+    }
+    policy.observe(state, table, weights_from(step1, table, heads=2, queries=2))
+    observed.append(step1)
+
+    # Another decision evicts tokens 1 and 3; a new token 6 arrives. Scores must stay with
+    # their logical tokens, not slide onto the live positions the dead tokens left.
+    table.evict([1, 3])
+    append(pool, table, 1)
+    step2 = {
+        (0, 0): {6: 1.0},
+        (1, 0): {0: 0.25, 4: 0.75},
+    }
+    policy.observe(state, table, weights_from(step2, table, heads=2, queries=1))
+    observed.append(step2)
+
+    total = defaultdict(float)
+    for step in observed:
+        for row in step.values():
+            for index, value in row.items():
+                total[index] += value
+    assert live(table) == [0, 2, 4, 5, 6]
+    expected = [total[i] for i in live(table)]  # [0.875, 1.0, 1.0, 0.5, 1.0]
+    assert policy.scores(state, table).tolist() == pytest.approx(expected)
+
+
+def test_h2o_keeps_heavy_hitters_sinks_and_recent_fraction_of_budget():
+    _, table = make_table(12, evicted=(4,))
+    alive = live(table)  # [0..3, 5..11], L = 11
+    budget = 6
+    policy = H2O(recent_fraction=0.4, sink_tokens=1)
+    state = policy.init_state(table)
+    heavy = {2: 3.0, 6: 2.0, 9: 5.0}  # 9 is heavy but also recent; 0 is light but a sink
+    rows = {(0, 0): {i: heavy.get(i, 0.1) for i in alive}}
+    policy.observe(state, table, weights_from(rows, table, heads=1, queries=1))
+
+    recent = int(0.4 * budget)  # 2 most recent: tokens 10, 11
+    keep = set(alive[:1]) | set(alive[-recent:])
+    expected = expected_victims(rows[(0, 0)], keep, alive, budget)
+    assert expected == [1, 3, 5, 7, 8]
+    assert victims(policy, state, table, budget) == expected
+    kept = set(alive) - set(expected)
+    assert {0, 2, 6, 9, 10, 11} == kept
+
+
+@pytest.mark.parametrize("fraction, budget", [(0.0, 5), (0.25, 7), (0.5, 9), (0.9, 10)])
+def test_h2o_protects_floor_of_recent_fraction_times_budget(fraction, budget):
+    policy = H2O(recent_fraction=fraction, sink_tokens=2)
+    recent = int(fraction * budget)
+    expected = [i < 2 or i >= 20 - recent for i in range(20)]
+    assert policy.protected(20, budget).tolist() == expected
+
+
+def h2o_smallest_budget(sinks: int, fraction: float) -> int:
+    """The smallest budget that holds the sinks, the recent window and one heavy hitter."""
+    budget = 1
+    while sinks + int(fraction * budget) + 1 > budget:
+        budget += 1
+    return budget
+
+
+@pytest.mark.parametrize("sinks, fraction", [(0, 0.5), (4, 0.5), (2, 0.9), (4, 0.0), (1, 0.3)])
+def test_h2o_min_budget_never_forces_evicting_a_protected_token(sinks, fraction):
+    policy = H2O(sink_tokens=sinks, recent_fraction=fraction)
+    assert policy.min_budget() == h2o_smallest_budget(sinks, fraction)
+    _, table = make_table(60)
+    state = policy.init_state(table)
+    policy.observe(state, table, torch.full((1, 1, 60), 1 / 60))
+    budget = policy.min_budget()
+    chosen = victims(policy, state, table, budget)
+    assert len(chosen) == 60 - budget
+    recent = int(fraction * budget)
+    assert not set(chosen) & (set(range(sinks)) | set(range(60 - recent, 60)))
+
+
+# ----------------------------------------------------------------- TOVA
+
+
+def test_tova_newest_query_averaged_over_heads_decides():
+    _, table = make_table(6)
+    policy = TOVA()
+    state = policy.init_state(table)
+    # An old step and the older query of the newest step both favour tokens 1 and 2: forgotten.
+    policy.observe(state, table, weights_from({(0, 0): {1: 1.0}, (1, 0): {2: 1.0}}, table, 2, 1))
+    newest = {
+        (0, 1): {0: 0.4, 3: 0.45, 4: 0.15},
+        (1, 1): {0: 0.3, 3: 0.05, 4: 0.4, 5: 0.25},
+    }
+    older = {(0, 0): {1: 0.5, 2: 0.5}, (1, 0): {2: 1.0}}
+    policy.observe(state, table, weights_from({**older, **newest}, table, heads=2, queries=2))
+
+    mean = {i: (newest[(0, 1)].get(i, 0.0) + newest[(1, 1)].get(i, 0.0)) / 2 for i in range(6)}
+    # mean: 0 -> .35, 3 -> .25, 4 -> .275, 5 -> .125 (the max over heads would keep 3 over 0)
+    expected = expected_victims(mean, set(), list(range(6)), budget=2)
+    assert expected == [1, 2, 3, 5]
+    assert victims(policy, state, table, 2) == expected
+
+
+def test_tova_state_follows_logical_tokens_across_an_eviction():
+    _, table = make_table(6)
+    policy = TOVA()
+    state = policy.init_state(table)
+    newest = {0: 0.1, 1: 0.3, 2: 0.05, 3: 0.2, 4: 0.15, 5: 0.2}
+    policy.observe(state, table, weights_from({(0, 0): newest}, table, 1, 1))
+    table.evict([1])  # decided elsewhere; the remaining tokens keep their scores
+    assert victims(policy, state, table, 3) == expected_victims(newest, set(), live(table), 3)
+
+
+# ----------------------------------------------------------------- Scissorhands
+
+
+def test_scissorhands_counts_importance_over_the_last_history_queries():
+    pool, table = make_table(4)
+    policy = Scissorhands(history=3, recent_tokens=0)
+    state = policy.init_state(table)
+    queries = []  # (live indices, {index: weight}) per query, oldest first
+
+    step1 = [{0: 0.5, 1: 0.25, 2: 0.125, 3: 0.125}, {0: 0.125, 1: 0.125, 2: 0.5, 3: 0.25}]
+    policy.observe(state, table, weights_from(dict(enumerate_rows(step1)), table, 1, 2))
+    queries += [(live(table), row) for row in step1]
+
+    table.evict([1])
+    append(pool, table, 1)  # live [0, 2, 3, 4], threshold still 1/4
+    step2 = [{0: 0.5, 2: 0.25, 3: 0.125, 4: 0.125}, {0: 0.0625, 2: 0.0625, 3: 0.24, 4: 0.6375}]
+    policy.observe(state, table, weights_from(dict(enumerate_rows(step2)), table, 1, 2))
+    queries += [(live(table), row) for row in step2]
+
+    counts = Counter()
+    for alive, row in queries[-3:]:  # the first query is beyond the history
+        counts.update(i for i in alive if row[i] >= 1 / len(alive))
+    expected = [counts[i] for i in live(table)]
+    assert expected == [1, 2, 1, 1]  # token 0 lost the count of the forgotten first query
+    assert policy.scores(state, table).tolist() == expected
+
+
+def test_scissorhands_threshold_is_uniform_over_the_live_tokens_then():
+    _, table = make_table(10, evicted=(1, 2, 3, 4, 5, 6))  # L = 4: threshold 1/4, not 1/10
+    policy = Scissorhands(history=8, recent_tokens=0)
+    state = policy.init_state(table)
+    row = {0: 0.25, 7: 0.5, 8: 0.125, 9: 0.125}
+    policy.observe(state, table, weights_from({(0, 0): row}, table, 1, 1))
+    assert policy.scores(state, table).tolist() == [1, 1, 0, 0]
+
+
+def test_scissorhands_keeps_recent_tokens_and_evicts_the_least_persistent():
+    _, table = make_table(8)
+    policy = Scissorhands(history=4, recent_tokens=2, sink_tokens=1)
+    state = policy.init_state(table)
+    rows = [{1: 0.5, 3: 0.25, 4: 0.25}, {1: 0.5, 4: 0.5}, {1: 0.75, 2: 0.25}]
+    policy.observe(state, table, weights_from(dict(enumerate_rows(rows)), table, 1, 3))
+    counts = Counter(i for row in rows for i, w in row.items() if w >= 1 / 8)
+    score = {i: counts[i] for i in range(8)}
+    expected = expected_victims(score, {0, 6, 7}, list(range(8)), budget=5)
+    assert expected == [2, 3, 5]  # 0 (a sink) and 6, 7 (recent) are never important, yet kept
+    assert victims(policy, state, table, 5) == expected
+
+
+# ----------------------------------------------------------------- SnapKV
+
+
+def test_snapkv_votes_of_the_window_max_pooled_over_live_neighbours():
+    _, table = make_table(9, evicted=(3,))
+    alive = live(table)  # [0, 1, 2, 4, 5, 6, 7, 8]
+    window, kernel = 2, 3
+    policy = SnapKV(window=window, kernel_size=kernel)
+    state = policy.init_state(table)
+    rows = {
+        (0, 0): {5: 1.0},  # the oldest query is outside the observation window: ignored
+        (0, 1): {2: 0.25, 7: 0.5, 8: 0.25},
+        (1, 1): {2: 0.25, 6: 0.0625, 8: 0.6875},
+        (0, 2): {6: 0.0625, 7: 0.9375},
+        (1, 2): {7: 0.5, 8: 0.5},
+    }
+    policy.observe(state, table, weights_from(rows, table, heads=2, queries=3))
+
+    votes = defaultdict(float)
+    for (_, query), row in rows.items():
+        if query >= 3 - window:
+            for index, value in row.items():
+                votes[index] += value
+    # SnapKV (Listing 1): the window's own tokens are kept whole; only the prefix is pooled,
+    # each token taking the max vote of its live neighbours (2 and 4 are neighbours).
+    prefix = alive[:-window]
+    half = kernel // 2
+    pooled = {
+        index: max(votes[j] for j in prefix[max(0, p - half) : p + half + 1])
+        for p, index in enumerate(prefix)
+    }
+    assert pooled == {0: 0.0, 1: 0.5, 2: 0.5, 4: 0.5, 5: 0.125, 6: 0.125}
+    expected = expected_victims(pooled, set(alive[-window:]), alive, budget=5)
+    assert expected == [0, 5, 6]
+    assert victims(policy, state, table, 5) == expected
+
+
+def test_snapkv_always_keeps_the_window():
+    _, table = make_table(12)
+    policy = SnapKV(window=4, kernel_size=1)
+    state = policy.init_state(table)
+    rows = {(0, q): {i: 1 / 8 for i in range(8)} for q in range(4)}  # the window gets nothing
+    policy.observe(state, table, weights_from(rows, table, 1, 4))
+    assert victims(policy, state, table, 5) == [0, 1, 2, 3, 4, 5, 6]
+
+
+def test_snapkv_window_spans_observe_calls():
+    pool, table = make_table(5)
+    policy = SnapKV(window=2, kernel_size=1)
+    state = policy.init_state(table)
+    step1 = {(0, 0): {0: 1.0}, (0, 1): {1: 0.5, 3: 0.5}}
+    policy.observe(state, table, weights_from(step1, table, 1, 2))
+    append(pool, table, 1)
+    policy.observe(state, table, weights_from({(0, 0): {2: 1.0}}, table, 1, 1))
+    # The window is the last two queries ({1, 3} and {2}); the query that voted for 0 has left
+    # it. Votes 0: 0, 1: .5, 2: 1, 3: .5; tokens 4, 5 are the window.
+    votes = {0: 0.0, 1: 0.5, 2: 1.0, 3: 0.5}
+    assert victims(policy, state, table, 4) == expected_victims(votes, {4, 5}, live(table), 4)
+    assert victims(policy, state, table, 4) == [0, 1]
+
+
+# ----------------------------------------------------------------- StreamingLLM
+
+
+def test_streamingllm_keeps_sinks_and_most_recent_evicts_oldest():
+    _, table = make_table(12, evicted=(3, 5))
+    policy = StreamingLLM(sink_tokens=2)
+    state = policy.init_state(table)
+    alive = live(table)  # [0, 1, 2, 4, 6, 7, 8, 9, 10, 11]
+    # Keep alive[:2] and the newest budget - 2 tokens; evict the rest, oldest first.
+    expected = alive[2 : len(alive) - (6 - 2)]
+    assert expected == [2, 4, 6, 7]
+    assert victims(policy, state, table, 6) == expected
+
+
+# ----------------------------------------------------------------- RandomEviction
+
+
+def test_random_eviction_is_reproducible_per_seed_and_varies_across_seeds():
+    _, table = make_table(30, evicted=(4, 9))
+
+    def draw(seed):
+        policy = RandomEviction(seed=seed, sink_tokens=2, recent_tokens=3)
+        return victims(policy, policy.init_state(table), table, 14)
+
+    first = draw(7)
+    assert first == draw(7)
+    assert len({tuple(draw(seed)) for seed in range(6)}) > 1
+    alive = live(table)
+    assert not set(first) & set(alive[:2] + alive[-3:])
+
+
+def test_random_eviction_is_roughly_uniform_over_unprotected_tokens():
+    _, table = make_table(12, evicted=(5,))
+    alive = live(table)  # L = 11
+    unprotected = alive[1:-2]  # 8 tokens
+    counts = Counter()
+    draws = 800
+    for seed in range(draws):
+        policy = RandomEviction(seed=seed, sink_tokens=1, recent_tokens=2)
+        counts.update(victims(policy, policy.init_state(table), table, len(alive) - 2))
+    assert set(counts) == set(unprotected)  # every unprotected token, and nothing else
+    mean = 2 * draws / len(unprotected)  # 200
+    assert all(0.6 * mean < counts[i] < 1.4 * mean for i in unprotected), counts
+
+
+# ----------------------------------------------------------------- shared choose_victims
+
+
+def test_choose_victims_count_order_ties_and_nothing_within_budget():
+    _, table = make_table(10, evicted=(2, 7))
+    alive = live(table)  # [0, 1, 3, 4, 5, 6, 8, 9]
+    policy = TOVA(sink_tokens=1, recent_tokens=2)
+    state = policy.init_state(table)
+    policy.observe(state, table, torch.full((2, 1, len(alive)), 1 / len(alive)))  # all tie
+    assert victims(policy, state, table, 5) == [1, 3, 4]  # the oldest unprotected
+    for budget in (len(alive), len(alive) + 3):
+        chosen = policy.choose_victims(state, table, budget)
+        assert chosen.numel() == 0 and chosen.dtype == torch.int64
+
+
+def test_min_budget_values():
+    assert StreamingLLM().min_budget() == 5
+    assert StreamingLLM(sink_tokens=0).min_budget() == 1
+    assert Scissorhands().min_budget() == 17
+    assert Scissorhands(recent_tokens=3, sink_tokens=2).min_budget() == 6
+    assert SnapKV(window=8).min_budget() == 9
+    assert TOVA().min_budget() == 1
+    assert RandomEviction(sink_tokens=1, recent_tokens=2).min_budget() == 4
+    assert H2O().min_budget() == 1
+    assert H2O(sink_tokens=4, recent_fraction=0.5).min_budget() == 9
+
+
+@pytest.mark.parametrize(
+    "make, argument",
+    [
+        (lambda: StreamingLLM(sink_tokens=-1), "sink_tokens"),
+        (lambda: RandomEviction(recent_tokens=-2), "recent_tokens"),
+        (lambda: RandomEviction(sink_tokens=True), "sink_tokens"),
+        (lambda: TOVA(sink_tokens=1.5), "sink_tokens"),
+        (lambda: Scissorhands(history=0), "history"),
+        (lambda: Scissorhands(recent_tokens=-1), "recent_tokens"),
+        (lambda: H2O(recent_fraction=1.0), "recent_fraction"),
+        (lambda: H2O(recent_fraction=-0.1), "recent_fraction"),
+        (lambda: H2O(sink_tokens=-1), "sink_tokens"),
+        (lambda: SnapKV(window=0), "window"),
+        (lambda: SnapKV(kernel_size=4), "kernel_size"),
+        (lambda: SnapKV(kernel_size=0), "kernel_size"),
+        (lambda: SnapKV(kernel_size=3.0), "kernel_size"),
+        (lambda: SnapKV(kernel_size="3"), "kernel_size"),
+    ],
+)
+def test_constructor_rejects_bad_arguments_naming_them(make, argument):
+    with pytest.raises(InvalidArgumentError, match=argument):
+        make()
+
+
+class EvictNewest(EvictionPolicy):
+    """A whole new policy in a few lines: the newest unprotected tokens go first."""
+
+    def scores(self, state, table):
+        return -table.live_indices().float()
+
+
+def test_a_new_policy_is_a_few_lines_on_the_interface():
+    _, table = make_table(10, evicted=(8,))
+    policy = EvictNewest(sink_tokens=1, recent_tokens=1)
+    assert policy.min_budget() == 3
+    assert victims(policy, policy.init_state(table), table, 5) == [4, 5, 6, 7]
+
+
+# ----------------------------------------------------------------- property: every policy
+
+POLICIES = {
+    "h2o": lambda d: H2O(
+        recent_fraction=d.draw(st.sampled_from([0.0, 0.3, 0.5, 0.9])),
+        sink_tokens=d.draw(st.integers(0, 4)),
+    ),
+    "tova": lambda d: TOVA(sink_tokens=d.draw(st.integers(0, 3))),
+    "scissorhands": lambda d: Scissorhands(
+        history=d.draw(st.integers(1, 6)),
+        recent_tokens=d.draw(st.integers(0, 4)),
+        sink_tokens=d.draw(st.integers(0, 2)),
+    ),
+    "snapkv": lambda d: SnapKV(
+        window=d.draw(st.integers(1, 5)), kernel_size=d.draw(st.sampled_from([1, 3, 5, 7]))
+    ),
+    "streamingllm": lambda d: StreamingLLM(sink_tokens=d.draw(st.integers(0, 4))),
+    "random": lambda d: RandomEviction(
+        seed=d.draw(st.integers(0, 99)),
+        sink_tokens=d.draw(st.integers(0, 2)),
+        recent_tokens=d.draw(st.integers(0, 3)),
+    ),
+    "evict_newest": lambda d: EvictNewest(sink_tokens=d.draw(st.integers(0, 2))),
+}
+
+
+def must_keep(policy, alive: list[int], budget: int) -> set[int]:
+    """Sinks and the recent window each paper keeps, computed from the constructor arguments."""
+    recent = policy.recent_tokens
+    if isinstance(policy, H2O):
+        recent = int(policy.recent_fraction * budget)
+    return set(alive[: policy.sink_tokens]) | (set(alive[-recent:]) if recent else set())
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@given(data=st.data())
+def test_choose_victims_returns_live_unprotected_tokens_of_the_right_count(name, data):
+    policy = POLICIES[name](data)
+    num_tokens = data.draw(st.integers(1, 40), label="num_tokens")
+    block_size = data.draw(st.sampled_from([1, 3, 4, 16]), label="block_size")
+    pool, table = make_table(num_tokens, block_size=block_size)
+    state = policy.init_state(table)
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    budget = data.draw(st.integers(policy.min_budget(), policy.min_budget() + 30), label="budget")
+    for _ in range(data.draw(st.integers(1, 3), label="steps")):
+        # Gaps from elsewhere (another layer's decision, a beam fork), then new tokens arrive.
+        dead = data.draw(st.sets(st.sampled_from(live(table))), label="evict")
+        if len(dead) < table.num_live:
+            table.evict(sorted(dead))
+        append(pool, table, data.draw(st.integers(0, 4), label="append"))
+        alive = live(table)
+        heads, queries = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 4))
+        weights = torch.rand(heads, queries, len(alive), generator=gen).softmax(-1)
+        policy.observe(state, table, weights)
+        # State is kept by logical index: an eviction decided elsewhere may come in between.
+        late = data.draw(st.sets(st.sampled_from(alive), max_size=len(alive) - 1), label="late")
+        table.evict(sorted(late))
+        alive = live(table)
+
+        chosen = victims(policy, state, table, budget)
+        assert len(chosen) == max(len(alive) - budget, 0)
+        assert chosen == sorted(set(chosen))
+        assert set(chosen) <= set(alive)
+        assert not set(chosen) & must_keep(policy, alive, budget)
+        table.evict(chosen)
+        assert table.num_live == min(len(alive), budget)
