@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstack.reference.checks import check_tensor
-from kvstack.reference.rope import _check_keys, rotary_cos_sin
+from kvstack.reference import rope as _reference
 
 
 @torch.compile(dynamic=True)
@@ -24,18 +23,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def rotate_keys(
     pre_rope_keys: torch.Tensor, positions: torch.Tensor, rotary_emb: torch.nn.Module
 ) -> torch.Tensor:
-    """Implements ``kvstack.reference.rope.rotate_keys``."""
-    check_tensor("positions", positions, ndim=1, dtypes=(torch.int64, torch.int32))
-    _check_keys(pre_rope_keys, positions.numel(), "positions")
-    cos, sin = rotary_cos_sin(rotary_emb, positions)
-    return apply_rotary(pre_rope_keys, cos.to(pre_rope_keys.device), sin.to(pre_rope_keys.device))
+    """Implements ``kvstack.reference.rope.rotate_keys`` with the compiled rotation."""
+    return _reference.rotate_keys(pre_rope_keys, positions, rotary_emb, apply=apply_rotary)
 
 
 def rerotate_keys(
     keys: torch.Tensor, delta: torch.Tensor, rotary_emb: torch.nn.Module
 ) -> torch.Tensor:
-    """Implements ``kvstack.reference.rope.rerotate_keys``."""
-    check_tensor("delta", delta, ndim=1, dtypes=(torch.int64, torch.int32))
-    _check_keys(keys, delta.numel(), "delta")
-    cos, sin = rotary_cos_sin(rotary_emb, delta, unscaled=True)
-    return apply_rotary(keys, cos.to(keys.device), sin.to(keys.device))
+    """Implements ``kvstack.reference.rope.rerotate_keys`` with the compiled rotation."""
+    return _reference.rerotate_keys(keys, delta, rotary_emb, apply=apply_rotary)

@@ -69,20 +69,32 @@ def _check_keys(keys: torch.Tensor, n_positions: int, name: str) -> None:
 
 
 def rotate_keys(
-    pre_rope_keys: torch.Tensor, positions: torch.Tensor, rotary_emb: torch.nn.Module
+    pre_rope_keys: torch.Tensor,
+    positions: torch.Tensor,
+    rotary_emb: torch.nn.Module,
+    *,
+    apply=apply_rotary,
 ) -> torch.Tensor:
-    """Keys [T, H, D] stored before rotation, rotated exactly as the model would at ``positions``."""
+    """Keys [T, H, D] stored before rotation, rotated exactly as the model would at ``positions``.
+
+    ``apply`` is the rotation kernel (an ``apply_rotary`` implementation)."""
     check_tensor("positions", positions, ndim=1, dtypes=(torch.int64, torch.int32))
     _check_keys(pre_rope_keys, positions.numel(), "positions")
     cos, sin = rotary_cos_sin(rotary_emb, positions)
-    return apply_rotary(pre_rope_keys, cos.to(pre_rope_keys.device), sin.to(pre_rope_keys.device))
+    return apply(pre_rope_keys, cos.to(pre_rope_keys.device), sin.to(pre_rope_keys.device))
 
 
 def rerotate_keys(
-    keys: torch.Tensor, delta: torch.Tensor, rotary_emb: torch.nn.Module
+    keys: torch.Tensor,
+    delta: torch.Tensor,
+    rotary_emb: torch.nn.Module,
+    *,
+    apply=apply_rotary,
 ) -> torch.Tensor:
-    """Keys [T, H, D] rotated at some positions p, moved to p + ``delta`` [T] (delta may be < 0)."""
+    """Keys [T, H, D] rotated at some positions p, moved to p + ``delta`` [T] (delta may be < 0).
+
+    ``apply`` is the rotation kernel (an ``apply_rotary`` implementation)."""
     check_tensor("delta", delta, ndim=1, dtypes=(torch.int64, torch.int32))
     _check_keys(keys, delta.numel(), "delta")
     cos, sin = rotary_cos_sin(rotary_emb, delta, unscaled=True)
-    return apply_rotary(keys, cos.to(keys.device), sin.to(keys.device))
+    return apply(keys, cos.to(keys.device), sin.to(keys.device))
