@@ -1,4 +1,4 @@
-"""kvstack.cuda_kernels — CUDA C++ kernels for the hot paths, registered as torch.library ops.
+"""kvstack.cuda_kernels — CUDA C++ kernels for the hot paths, registered as PyTorch custom ops.
 
 ``load()`` returns the implementations this machine can run, keyed by operation name, or raises
 ``BackendUnavailable`` with the reason (no CUDA device, no compiler, no kernels yet). The op
