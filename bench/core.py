@@ -24,7 +24,6 @@ answer cannot be reported.
 from __future__ import annotations
 
 import json
-import math
 import platform
 import statistics
 import sys
@@ -38,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from kvstack import ops
+from kvstack.bench.reporting import cpu_name, meets_target
 from kvstack.bench.workloads import CORE_SHAPE, DecodeWorkload, Shape, build_decode, build_repack
 from kvstack.errors import InvalidArgumentError
 
@@ -254,18 +254,7 @@ def run_core(
 
 
 def passes(name: str, value: float) -> bool:
-    comparison, target = TARGETS[name]
-    return math.isfinite(value) and (value >= target if comparison == ">=" else value <= target)
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return meets_target(TARGETS, name, value)
 
 
 def _report(
@@ -281,7 +270,7 @@ def _report(
         "",
         "## Workload",
         "",
-        f"- Machine: {_cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} "
+        f"- Machine: {cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} "
         f"threads, Python {platform.python_version()}; CPU, timed with `time.perf_counter`.",
         f"- Shape: {s.describe()}; seed {config.seed}.",
         f"- Decode attention: one decode step (1 query token per sequence) over {s.batch} token "

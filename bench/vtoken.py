@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from kvstack.bench.prompts import Prompt, build_prompts
+from kvstack.bench.reporting import cpu_name, meets_target
 from kvstack.errors import InvalidArgumentError, KVStackError
 from kvstack.policies import H2O, EvictionPolicy, RandomEviction, Scissorhands
 from kvstack.reference.repack import DEFAULT_WASTE_THRESHOLD
@@ -483,19 +484,7 @@ def _figures(config: VTokenConfig, prompts: list[Prompt], runs: list[Run]) -> di
 
 
 def passes(name: str, value: float) -> bool:
-    comparison, target = TARGETS[name]
-    return math.isfinite(value) and (value >= target if comparison == ">=" else value <= target)
-
-
-# --------------------------------------------------------------------------- report
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return meets_target(TARGETS, name, value)
 
 
 def _report(
@@ -523,7 +512,7 @@ def _report(
         "",
         "## Workload",
         "",
-        f"- Machine: {_cpu_name()}, torch {torch.__version__}, transformers "
+        f"- Machine: {cpu_name()}, torch {torch.__version__}, transformers "
         f"{transformers.__version__}, torch threads: {torch.get_num_threads()}, Python "
         f"{platform.python_version()}; CPU, fp32, timed with `time.perf_counter`.",
         f"- Model: {MODEL_NAME}; 30 layers, 9 query heads, 3 KV heads, head_dim 64.",
