@@ -6,6 +6,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 HYPOTHESIS_PROFILE ?= ci
+# The oldest transformers the Hugging Face caches support, tested beside the newest (in .venv).
+TRANSFORMERS_OLDEST := 5.17.0
+OLDEST := $(VENV)/transformers-$(TRANSFORMERS_OLDEST)
+HF_TESTS := spec_tests/test_hf_paged.py spec_tests/test_hf_token_table_cache.py \
+	spec_tests/test_hf_smollm2.py spec_tests/test_hf_hybrid.py
 
 .PHONY: install demo test bench lint clean
 
@@ -22,6 +27,12 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# transformers 5.17 with the huggingface_hub 1.x it needs, in a directory put first on
+# PYTHONPATH for the second test run (torch, kvstack and the model come from .venv).
+$(OLDEST)/.installed: $(STAMP)
+	$(BIN)/python -m pip install --quiet --target $(OLDEST) transformers==$(TRANSFORMERS_OLDEST)
+	touch $@
+
 demo: install
 	$(BIN)/kvstack demo
 
@@ -29,8 +40,10 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: install lint
+test: install lint $(OLDEST)/.installed
 	$(BIN)/python -m pytest spec_tests -q -m "not slow and not gpu" --hypothesis-profile=$(HYPOTHESIS_PROFILE)
+	PYTHONPATH=$(OLDEST) $(BIN)/python -m pytest $(HF_TESTS) -q -m "not slow and not gpu" \
+		--hypothesis-profile=$(HYPOTHESIS_PROFILE)
 
 bench: install
 	$(BIN)/kvstack bench core --out bench_results/core

@@ -9,7 +9,10 @@ the work is laid out:
 * Decode (T_q == 1) is memory-bound: scores are a fused multiply-reduce over head_dim laid out
   [B, T, H_kv, G], and the value sum is split into chunks of ``CHUNK`` tokens (flash-decoding's
   split-K) so that the G query heads sharing a KV head re-read a chunk from cache, not from DRAM.
-* Prefill chunks (T_q > 1) are compute-bound and use batched matmuls on the gathered rows.
+* Prefill chunks (T_q > 1) are compute-bound and use batched matmuls on the gathered rows. A
+  prefill runs ``QUERY_CHUNK`` queries per call, each over only the key columns up to the
+  last one any of its queries can see: with keys in causal order that skips the masked upper
+  triangle (about half the work of one square call), and the result is the same.
 
 Recompiles are bounded: the key length is padded with -1 slots to a multiple of ``CHUNK``, and
 the batch, query and key lengths and the pool size are marked dynamic, so one graph serves every
@@ -29,6 +32,7 @@ import torch.nn.functional as F
 from kvstack.reference.attention import AttentionOutput, check_attention_args
 
 CHUNK = 64  # tokens per split-K chunk of the decode value sum; also the padding granularity
+QUERY_CHUNK = 256  # queries per kernel call of a prefill
 
 
 def _decode(
@@ -130,8 +134,68 @@ def paged_attention(
     check_attention_args(
         query, key_cache, value_cache, slots, key_positions, query_positions, window
     )
-    t_k = slots.shape[1]
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    t_q, t_k = query.shape[1], slots.shape[1]
+    if t_q == 1:
+        return _attend(
+            query,
+            key_cache,
+            value_cache,
+            slots,
+            key_positions,
+            query_positions,
+            scale,
+            window,
+            return_weights,
+        )
+    # Prefill: queries in chunks, each over only the key columns up to the last one any of its
+    # queries can see. With keys in causal order that is the triangle, not the square (about
+    # half the work of one square call for a long prompt); the columns cut are all masked.
+    outs, lses, weights = [], [], []
+    visible_slot = slots >= 0  # [B, T_k]
+    for start in range(0, t_q, QUERY_CHUNK):
+        end = min(start + QUERY_CHUNK, t_q)
+        chunk_positions = query_positions[:, start:end]
+        last = chunk_positions.max(dim=1, keepdim=True).values  # [B, 1]
+        seen = (visible_slot & (key_positions <= last)).any(dim=0).nonzero()
+        width = int(seen.max()) + 1 if seen.numel() else min(1, t_k)  # cut: all masked
+        part = _attend(
+            query[:, start:end],
+            key_cache,
+            value_cache,
+            slots[:, :width],
+            key_positions[:, :width],
+            chunk_positions,
+            scale,
+            window,
+            return_weights,
+        )
+        outs.append(part.out)
+        lses.append(part.lse)
+        if return_weights:
+            weights.append(F.pad(part.weights, (0, t_k - width)))  # [B, H_q, T_c, T_k]
+    if len(outs) == 1:
+        return AttentionOutput(outs[0], lses[0], weights[0] if return_weights else None)
+    return AttentionOutput(
+        torch.cat(outs, dim=1),
+        torch.cat(lses, dim=1),
+        torch.cat(weights, dim=2) if return_weights else None,
+    )
+
+
+def _attend(
+    query,
+    key_cache,
+    value_cache,
+    slots,
+    key_positions,
+    query_positions,
+    scale,
+    window,
+    return_weights,
+) -> AttentionOutput:
+    """One compiled kernel call (decode, or a prefill chunk) over all of ``slots``."""
+    t_k = slots.shape[1]
     pad = (-t_k) % CHUNK
     # Pad with slot -1 (masked) to a multiple of CHUNK: bounded shapes, and the chunked sum needs it.
     padded_slots = F.pad(slots.long(), (0, pad), value=-1)

@@ -1,33 +1,37 @@
 """Token eviction policies on one small interface (vToken: a new policy is tens of lines).
 
-A policy ranks the live tokens of one token table; ``TokenTableCache`` asks it for victims
-whenever a table holds more live tokens than its budget, evicts them and reclaims their memory.
+A policy ranks the live tokens of the token tables of one cache layer; ``TokenTableCache`` asks
+it for victims whenever a table holds more live tokens than its budget, evicts them and reclaims
+their memory. Everything is by *logical index* (the i-th token a table ever appended) over the
+N tables of a layer at once, so per-token state survives evictions and repacks unchanged and a
+decode step costs a few tensor ops per layer, not per table:
 
     class EvictionPolicy:
-        needs_attention_weights   the cache must hand it each step's attention weights
-        per_head                  one token table per KV head (each head keeps its own tokens)
-        init_state(table)         per-table state (e.g. accumulated attention)
-        observe(state, table, w)  w: [heads, T_q, L] weights of this step over the live tokens
-        scores(state, table)      [L] float, higher = more worth keeping
-        protected(L, budget)      [L] bool, tokens never evicted (attention sinks, recent window)
+        needs_attention_weights    the cache must hand it each step's attention weights
+        per_head                   one token table per KV head (each head keeps its own tokens)
+        init_state(N)              state for N tables (e.g. accumulated attention)
+        observe(state, alive, w)   alive [N, T] bool; w [N, heads, T_q, T]: this step's attention
+                                   weights by logical index (0 for dead tokens)
+        scores(state, alive)       [N, T] float by logical index, higher = more worth keeping
+                                   (values at dead tokens are ignored)
+        protected(alive, budgets)  [N, T] bool, tokens never evicted (sinks, recent window)
 
-``choose_victims`` is shared: the ``L - budget`` unprotected tokens with the lowest scores
-(ties go to the older token). All tensors over live tokens are in logical order
-(``table.live_indices()``); per-token state is stored by logical index, so it survives evictions
-and repacks unchanged.
+``choose_victims`` is shared: in each table, the ``live - budget`` unprotected live tokens with
+the lowest scores (ties go to the older token). "Recent" and "sink" count live tokens: the
+k-th newest live token, not logical index T - k.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from kvstack.errors import InvalidArgumentError
-from kvstack.reference.token_table import TokenTable
 
 
 def _check_count(name: str, value: Any, *, minimum: int = 0) -> int:
@@ -36,19 +40,51 @@ def _check_count(name: str, value: Any, *, minimum: int = 0) -> int:
     return value
 
 
+def select_state(state: Any, picks: torch.Tensor) -> Any:
+    """State for new tables ``picks`` (new table i continues old table picks[i]): every tensor
+    indexed on its first (table) axis, through dicts, lists and tuples."""
+    if isinstance(state, torch.Tensor):
+        return state[picks.to(state.device)]
+    if isinstance(state, LogicalScores):
+        return LogicalScores(select_state(state.values, picks))
+    if isinstance(state, dict):
+        return {key: select_state(value, picks) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(select_state(value, picks) for value in state)
+    if state is None:
+        return None
+    raise TypeError(f"cannot select tables of a {type(state).__name__} state; override select")
+
+
 class LogicalScores:
-    """A float per logical token index that grows with the table (shared state helper)."""
+    """A float per table and logical index that grows with the tables (shared state helper)."""
 
-    def __init__(self) -> None:
-        self.values = torch.zeros(0)
+    def __init__(self, values: torch.Tensor) -> None:
+        self.values = values  # [N, capacity]
 
-    def at(self, table: TokenTable) -> torch.Tensor:
-        """View of the values, grown to the table's logical length."""
-        if self.values.numel() < table.num_tokens:
-            grown = torch.zeros(max(table.num_tokens, 2 * self.values.numel()))
-            grown[: self.values.numel()] = self.values
+    @classmethod
+    def zeros(cls, num_tables: int) -> LogicalScores:
+        return cls(torch.zeros(num_tables, 0))
+
+    def at(self, num_tokens: int, device: torch.device) -> torch.Tensor:
+        """[N, num_tokens] view of the values on ``device``, grown (with zeros) to
+        ``num_tokens``."""
+        if self.values.device != device:
+            self.values = self.values.to(device)
+        capacity = self.values.shape[1]
+        if capacity < num_tokens:
+            grown = self.values.new_zeros(self.values.shape[0], max(num_tokens, 2 * capacity))
+            grown[:, :capacity] = self.values
             self.values = grown
-        return self.values[: table.num_tokens]
+        return self.values[:, :num_tokens]
+
+
+def _padded_sum(rows: Sequence[torch.Tensor], num_tables: int, num_tokens: int, device):
+    """Sum of [N, T_i] rows (T_i <= num_tokens), each zero-padded to [N, num_tokens]."""
+    total = torch.zeros(num_tables, num_tokens, device=device)
+    for row in rows:
+        total[:, : row.shape[1]] += row
+    return total
 
 
 class EvictionPolicy:
@@ -69,33 +105,52 @@ class EvictionPolicy:
         """The smallest budget this policy can honour: everything it must keep, plus one."""
         return self.sink_tokens + self.recent_tokens + 1
 
-    def init_state(self, table: TokenTable) -> Any:
+    def init_state(self, num_tables: int) -> Any:
         return None
 
-    def observe(self, state: Any, table: TokenTable, weights: torch.Tensor) -> None:
-        """``weights`` [heads, T_q, L]: this step's attention over the table's live tokens."""
+    def observe(self, state: Any, alive: torch.Tensor, weights: torch.Tensor) -> None:
+        """``weights`` [N, heads, T_q, T]: this step's attention by logical index."""
 
-    def scores(self, state: Any, table: TokenTable) -> torch.Tensor:
+    def scores(self, state: Any, alive: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def protected(self, live: int, budget: int) -> torch.Tensor:
-        keep = torch.zeros(live, dtype=torch.bool)
-        keep[: self.sink_tokens] = True
-        if self.recent_tokens:
-            keep[-self.recent_tokens :] = True
-        return keep
+    def select(self, state: Any, picks: Sequence[int]) -> Any:
+        """State for a new set of tables, new table i continuing old table ``picks[i]`` (beam
+        search, repeats). The default indexes every tensor of the state on its first axis."""
+        return select_state(state, torch.as_tensor(list(picks), dtype=torch.int64))
 
-    def choose_victims(self, state: Any, table: TokenTable, budget: int) -> torch.Tensor:
-        """Logical indices of the tokens to evict so that at most ``budget`` stay live."""
-        live = table.live_indices()
-        excess = live.numel() - budget
-        if excess <= 0:
-            return live[:0]
-        scores = self.scores(state, table).float().cpu()
-        scores = scores.masked_fill(self.protected(live.numel(), budget), math.inf)
+    def recent_window(self, budget: int) -> int:
+        """How many of the newest live tokens a table with this budget keeps."""
+        return self.recent_tokens
+
+    def protected(self, alive: torch.Tensor, budgets: Sequence[int]) -> torch.Tensor:
+        count = alive.cumsum(dim=1)  # [N, T]: the k-th oldest live token has count k
+        keep = count <= self.sink_tokens
+        recent = [self.recent_window(b) for b in budgets]
+        if any(recent):
+            live = count[:, -1:]  # [N, 1]
+            keep |= count > live - torch.tensor(recent, device=alive.device)[:, None]
+        return keep & alive
+
+    def choose_victims(
+        self, state: Any, alive: torch.Tensor, budgets: Sequence[int]
+    ) -> torch.Tensor:
+        """[N, T] bool: the tokens to evict so that each table keeps at most its budget."""
+        budget = torch.tensor(list(budgets), device=alive.device)
+        excess = (alive.sum(dim=1) - budget).clamp(min=0)  # [N]
+        most = int(excess.max()) if excess.numel() else 0
+        if most == 0:
+            return torch.zeros_like(alive)
+        candidate = alive & ~self.protected(alive, budgets)
+        key = self.scores(state, alive).float().masked_fill(~candidate, math.inf)
+        if most == 1:  # a decode step: at most one victim per table
+            # argmin returns the first minimum: the older token on a tie, as the sort below.
+            victim = key.argmin(dim=1, keepdim=True)  # [N, 1]
+            return torch.zeros_like(alive).scatter_(1, victim, (excess == 1)[:, None])
         # Stable sort: among equal scores the older token (smaller logical index) goes first.
-        order = torch.sort(scores, stable=True).indices
-        return live[order[:excess].to(live.device)].sort().values
+        order = torch.sort(key, dim=1, stable=True).indices  # [N, T]
+        first = torch.arange(alive.shape[1], device=alive.device)[None, :] < excess[:, None]
+        return torch.zeros_like(alive).scatter_(1, order, first)
 
 
 class StreamingLLM(EvictionPolicy):
@@ -105,22 +160,32 @@ class StreamingLLM(EvictionPolicy):
     def __init__(self, *, sink_tokens: int = 4) -> None:
         super().__init__(sink_tokens=sink_tokens)
 
-    def scores(self, state: Any, table: TokenTable) -> torch.Tensor:
-        return table.live_indices().float()  # newer tokens score higher
+    def scores(self, state: Any, alive: torch.Tensor) -> torch.Tensor:
+        newer = torch.arange(alive.shape[1], device=alive.device, dtype=torch.float32)
+        return newer.expand(alive.shape)  # newer tokens score higher
 
 
 class RandomEviction(EvictionPolicy):
-    """Evict uniformly at random among unprotected tokens (a baseline); seeded, reproducible."""
+    """Evict uniformly at random among unprotected tokens (a baseline); seeded, reproducible,
+    one generator per table."""
 
     def __init__(self, *, seed: int = 0, sink_tokens: int = 0, recent_tokens: int = 0) -> None:
         super().__init__(sink_tokens=sink_tokens, recent_tokens=recent_tokens)
         self.seed = _check_count("seed", seed)
 
-    def init_state(self, table: TokenTable) -> torch.Generator:
-        return torch.Generator().manual_seed(self.seed)
+    def init_state(self, num_tables: int) -> list[torch.Generator]:
+        return [torch.Generator().manual_seed(self.seed) for _ in range(num_tables)]
 
-    def scores(self, state: torch.Generator, table: TokenTable) -> torch.Tensor:
-        return torch.rand(table.num_live, generator=state)
+    def select(self, state: list[torch.Generator], picks: Sequence[int]):
+        return [torch.Generator().set_state(state[i].get_state()) for i in picks]
+
+    def scores(self, state: list[torch.Generator], alive: torch.Tensor) -> torch.Tensor:
+        scores = torch.zeros(alive.shape, device=alive.device)
+        for index, generator in enumerate(state):
+            live = alive[index]
+            draws = torch.rand(int(live.sum()), generator=generator)
+            scores[index, live] = draws.to(alive.device)
+        return scores
 
 
 class H2O(EvictionPolicy):
@@ -147,21 +212,17 @@ class H2O(EvictionPolicy):
             budget += 1
         return budget
 
-    def protected(self, live: int, budget: int) -> torch.Tensor:
-        keep = super().protected(live, budget)
-        recent = int(self.recent_fraction * budget)
-        if recent:
-            keep[-recent:] = True
-        return keep
+    def recent_window(self, budget: int) -> int:
+        return int(self.recent_fraction * budget)
 
-    def init_state(self, table: TokenTable) -> LogicalScores:
-        return LogicalScores()
+    def init_state(self, num_tables: int) -> LogicalScores:
+        return LogicalScores.zeros(num_tables)
 
-    def observe(self, state: LogicalScores, table: TokenTable, weights: torch.Tensor) -> None:
-        state.at(table)[table.live_indices().cpu()] += weights.sum(dim=(0, 1)).float().cpu()
+    def observe(self, state: LogicalScores, alive: torch.Tensor, weights: torch.Tensor) -> None:
+        state.at(alive.shape[1], alive.device).add_(weights.sum(dim=(1, 2)).float())
 
-    def scores(self, state: LogicalScores, table: TokenTable) -> torch.Tensor:
-        return state.at(table)[table.live_indices().cpu()]
+    def scores(self, state: LogicalScores, alive: torch.Tensor) -> torch.Tensor:
+        return state.at(alive.shape[1], alive.device)
 
 
 class TOVA(EvictionPolicy):
@@ -170,18 +231,15 @@ class TOVA(EvictionPolicy):
 
     needs_attention_weights = True
 
-    def init_state(self, table: TokenTable) -> dict:
-        return {}
+    def init_state(self, num_tables: int) -> dict:
+        return {"last": torch.zeros(num_tables, 0)}  # by logical index: survives evictions
 
-    def observe(self, state: dict, table: TokenTable, weights: torch.Tensor) -> None:
-        last = torch.zeros(table.num_tokens)  # by logical index, so it survives evictions
-        last[table.live_indices().cpu()] = weights[:, -1, :].mean(dim=0).float().cpu()
-        state["last"] = last
+    def observe(self, state: dict, alive: torch.Tensor, weights: torch.Tensor) -> None:
+        state["last"] = weights[:, :, -1, :].mean(dim=1).float()  # [N, T]
 
-    def scores(self, state: dict, table: TokenTable) -> torch.Tensor:
-        last = torch.zeros(table.num_tokens)
-        last[: state["last"].numel()] = state["last"]
-        return last[table.live_indices().cpu()]
+    def scores(self, state: dict, alive: torch.Tensor) -> torch.Tensor:
+        last = state["last"]
+        return _padded_sum([last], last.shape[0], alive.shape[1], alive.device)
 
 
 class Scissorhands(EvictionPolicy):
@@ -196,24 +254,20 @@ class Scissorhands(EvictionPolicy):
         super().__init__(sink_tokens=sink_tokens, recent_tokens=recent_tokens)
         self.history = _check_count("history", history, minimum=1)
 
-    def init_state(self, table: TokenTable) -> dict:
-        return {"marks": []}  # one LogicalScores-like row per remembered query
+    def init_state(self, num_tables: int) -> dict:
+        return {"marks": []}  # one [N, T] row of 0/1 per remembered query, oldest first
 
-    def observe(self, state: dict, table: TokenTable, weights: torch.Tensor) -> None:
-        live = table.live_indices().cpu()
-        per_query = weights.float().mean(dim=0).cpu()  # [T_q, L]
-        for row in per_query[-self.history :]:
-            marks = torch.zeros(table.num_tokens)
-            marks[live] = (row >= 1.0 / live.numel()).float()
-            state["marks"].append(marks)
+    def observe(self, state: dict, alive: torch.Tensor, weights: torch.Tensor) -> None:
+        per_query = weights.float().mean(dim=1)  # [N, T_q, T], averaged over the heads
+        # The uniform weight 1/L of each table's L live tokens (computed as the paper's float).
+        uniform = (1.0 / alive.sum(dim=1).double()).float()[:, None]  # [N, 1]
+        for query in range(max(0, per_query.shape[1] - self.history), per_query.shape[1]):
+            important = (per_query[:, query] >= uniform) & alive
+            state["marks"].append(important.float())
         del state["marks"][: -self.history]
 
-    def scores(self, state: dict, table: TokenTable) -> torch.Tensor:
-        live = table.live_indices().cpu()
-        total = torch.zeros(table.num_tokens)
-        for marks in state["marks"]:
-            total[: marks.numel()] += marks
-        return total[live]
+    def scores(self, state: dict, alive: torch.Tensor) -> torch.Tensor:
+        return _padded_sum(state["marks"], alive.shape[0], alive.shape[1], alive.device)
 
 
 class SnapKV(EvictionPolicy):
@@ -234,36 +288,31 @@ class SnapKV(EvictionPolicy):
         self.window = window
         self.kernel_size = kernel_size
 
-    def init_state(self, table: TokenTable) -> dict:
-        return {"rows": []}  # attention rows of the most recent queries, by logical index
+    def init_state(self, num_tables: int) -> dict:
+        return {"rows": []}  # [N, T] attention rows of the most recent queries, oldest first
 
-    def observe(self, state: dict, table: TokenTable, weights: torch.Tensor) -> None:
-        live = table.live_indices().cpu()
-        per_query = weights.float().sum(dim=0).cpu()  # [T_q, L], summed over the group's heads
-        for row in per_query[-self.window :]:
-            by_index = torch.zeros(table.num_tokens)
-            by_index[live] = row
-            state["rows"].append(by_index)
+    def observe(self, state: dict, alive: torch.Tensor, weights: torch.Tensor) -> None:
+        per_query = weights.float().sum(dim=1)  # [N, T_q, T], summed over the group's heads
+        for query in range(max(0, per_query.shape[1] - self.window), per_query.shape[1]):
+            state["rows"].append(per_query[:, query])
         del state["rows"][: -self.window]
 
-    def scores(self, state: dict, table: TokenTable) -> torch.Tensor:
-        live = table.live_indices().cpu()
-        votes = torch.zeros(table.num_tokens)
-        for row in state["rows"]:
-            votes[: row.numel()] += row
-        votes = votes[live]
-        # SnapKV (Listing 1) pools the prefix only: the window is kept whole, and its own votes
-        # must not leak into the scores of the prefix tokens next to it.
-        prefix = max(live.numel() - self.window, 0)
-        if prefix:
-            pooled = F.max_pool1d(
-                votes[None, None, :prefix],
-                self.kernel_size,
-                stride=1,
-                padding=self.kernel_size // 2,
-            )
-            votes[:prefix] = pooled[0, 0]
-        return votes
+    def scores(self, state: dict, alive: torch.Tensor) -> torch.Tensor:
+        votes = _padded_sum(state["rows"], alive.shape[0], alive.shape[1], alive.device)
+        # SnapKV (Listing 1) pools the prefix only, over live neighbours: the window is kept
+        # whole, and its own votes must not leak into the scores of the prefix tokens next to it.
+        order = torch.sort(~alive, dim=1, stable=True).indices  # [N, T]: live first, in order
+        compact = votes.gather(1, order)  # [N, T]: each table's live votes, then dead ones
+        prefix = (alive.sum(dim=1) - self.window).clamp(min=0)  # [N]
+        in_prefix = torch.arange(alive.shape[1], device=alive.device)[None, :] < prefix[:, None]
+        pooled = F.max_pool1d(
+            compact.masked_fill(~in_prefix, -math.inf)[:, None, :],  # [N, 1, T]
+            self.kernel_size,
+            stride=1,
+            padding=self.kernel_size // 2,
+        )[:, 0]
+        compact = torch.where(in_prefix, pooled, compact)
+        return torch.empty_like(votes).scatter_(1, order, compact)
 
 
 __all__ = [

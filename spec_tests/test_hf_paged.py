@@ -37,6 +37,13 @@ CACHE_KEYWORDS = ["past_key_values"]
 if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters:
     CACHE_KEYWORDS.append("cache")
 
+
+def test_runs_on_a_supported_transformers():
+    # make test runs these files twice: on the newest 5.x (.venv) and on 5.17 (the oldest).
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    assert (5, 17) <= (major, minor) < (6, 0), transformers.__version__
+
+
 TINY = dict(
     hidden_size=64,
     intermediate_size=128,

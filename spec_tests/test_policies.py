@@ -79,8 +79,32 @@ def expected_victims(score: dict[int, float], keep: set[int], alive: list[int], 
     return sorted(i for _, i in candidates[:excess])
 
 
+# The policies work on the N tables of a layer at once, by logical index; these helpers run
+# them on one reference table, with weights given over its live tokens in logical order.
+
+
+def by_index(table: TokenTable, weights: torch.Tensor) -> torch.Tensor:
+    """[heads, T_q, L] over the live tokens -> [1, heads, T_q, T] by logical index."""
+    full = torch.zeros(*weights.shape[:2], table.num_tokens)
+    full[:, :, table.live_indices()] = weights
+    return full[None]
+
+
+def observe(policy, state, table, weights) -> None:
+    policy.observe(state, table.alive[None], by_index(table, weights))
+
+
+def scores(policy, state, table) -> torch.Tensor:
+    return policy.scores(state, table.alive[None])[0, table.live_indices()]
+
+
+def protected(policy, num_live: int, budget: int) -> list[bool]:
+    return policy.protected(torch.ones(1, num_live, dtype=torch.bool), [budget])[0].tolist()
+
+
 def victims(policy, state, table, budget) -> list[int]:
-    return policy.choose_victims(state, table, budget).tolist()
+    chosen = policy.choose_victims(state, table.alive[None], [budget])[0]
+    return chosen.nonzero().flatten().tolist()
 
 
 # ----------------------------------------------------------------- H2O
@@ -89,7 +113,7 @@ def victims(policy, state, table, budget) -> list[int]:
 def test_h2o_accumulates_over_queries_heads_and_steps_by_logical_index():
     pool, table = make_table(6)
     policy = H2O(recent_fraction=0.0)
-    state = policy.init_state(table)
+    state = policy.init_state(1)
     observed = []  # (live indices, {(head, query): {index: weight}}) in the order seen
 
     step1 = {
@@ -98,7 +122,7 @@ def test_h2o_accumulates_over_queries_heads_and_steps_by_logical_index():
         (1, 0): {1: 0.5, 5: 0.5},
         (1, 1): {0: 0.125, 3: 0.875},
     }
-    policy.observe(state, table, weights_from(step1, table, heads=2, queries=2))
+    observe(policy, state, table, weights_from(step1, table, heads=2, queries=2))
     observed.append(step1)
 
     # Another decision evicts tokens 1 and 3; a new token 6 arrives. Scores must stay with
@@ -109,7 +133,7 @@ def test_h2o_accumulates_over_queries_heads_and_steps_by_logical_index():
         (0, 0): {6: 1.0},
         (1, 0): {0: 0.25, 4: 0.75},
     }
-    policy.observe(state, table, weights_from(step2, table, heads=2, queries=1))
+    observe(policy, state, table, weights_from(step2, table, heads=2, queries=1))
     observed.append(step2)
 
     total = defaultdict(float)
@@ -119,7 +143,7 @@ def test_h2o_accumulates_over_queries_heads_and_steps_by_logical_index():
                 total[index] += value
     assert live(table) == [0, 2, 4, 5, 6]
     expected = [total[i] for i in live(table)]  # [0.875, 1.0, 1.0, 0.5, 1.0]
-    assert policy.scores(state, table).tolist() == pytest.approx(expected)
+    assert scores(policy, state, table).tolist() == pytest.approx(expected)
 
 
 def test_h2o_keeps_heavy_hitters_sinks_and_recent_fraction_of_budget():
@@ -127,10 +151,10 @@ def test_h2o_keeps_heavy_hitters_sinks_and_recent_fraction_of_budget():
     alive = live(table)  # [0..3, 5..11], L = 11
     budget = 6
     policy = H2O(recent_fraction=0.4, sink_tokens=1)
-    state = policy.init_state(table)
+    state = policy.init_state(1)
     heavy = {2: 3.0, 6: 2.0, 9: 5.0}  # 9 is heavy but also recent; 0 is light but a sink
     rows = {(0, 0): {i: heavy.get(i, 0.1) for i in alive}}
-    policy.observe(state, table, weights_from(rows, table, heads=1, queries=1))
+    observe(policy, state, table, weights_from(rows, table, heads=1, queries=1))
 
     recent = int(0.4 * budget)  # 2 most recent: tokens 10, 11
     keep = set(alive[:1]) | set(alive[-recent:])
@@ -146,7 +170,7 @@ def test_h2o_protects_floor_of_recent_fraction_times_budget(fraction, budget):
     policy = H2O(recent_fraction=fraction, sink_tokens=2)
     recent = int(fraction * budget)
     expected = [i < 2 or i >= 20 - recent for i in range(20)]
-    assert policy.protected(20, budget).tolist() == expected
+    assert protected(policy, 20, budget) == expected
 
 
 def h2o_smallest_budget(sinks: int, fraction: float) -> int:
@@ -162,8 +186,8 @@ def test_h2o_min_budget_never_forces_evicting_a_protected_token(sinks, fraction)
     policy = H2O(sink_tokens=sinks, recent_fraction=fraction)
     assert policy.min_budget() == h2o_smallest_budget(sinks, fraction)
     _, table = make_table(60)
-    state = policy.init_state(table)
-    policy.observe(state, table, torch.full((1, 1, 60), 1 / 60))
+    state = policy.init_state(1)
+    observe(policy, state, table, torch.full((1, 1, 60), 1 / 60))
     budget = policy.min_budget()
     chosen = victims(policy, state, table, budget)
     assert len(chosen) == 60 - budget
@@ -177,15 +201,15 @@ def test_h2o_min_budget_never_forces_evicting_a_protected_token(sinks, fraction)
 def test_tova_newest_query_averaged_over_heads_decides():
     _, table = make_table(6)
     policy = TOVA()
-    state = policy.init_state(table)
+    state = policy.init_state(1)
     # An old step and the older query of the newest step both favour tokens 1 and 2: forgotten.
-    policy.observe(state, table, weights_from({(0, 0): {1: 1.0}, (1, 0): {2: 1.0}}, table, 2, 1))
+    observe(policy, state, table, weights_from({(0, 0): {1: 1.0}, (1, 0): {2: 1.0}}, table, 2, 1))
     newest = {
         (0, 1): {0: 0.4, 3: 0.45, 4: 0.15},
         (1, 1): {0: 0.3, 3: 0.05, 4: 0.4, 5: 0.25},
     }
     older = {(0, 0): {1: 0.5, 2: 0.5}, (1, 0): {2: 1.0}}
-    policy.observe(state, table, weights_from({**older, **newest}, table, heads=2, queries=2))
+    observe(policy, state, table, weights_from({**older, **newest}, table, heads=2, queries=2))
 
     mean = {i: (newest[(0, 1)].get(i, 0.0) + newest[(1, 1)].get(i, 0.0)) / 2 for i in range(6)}
     # mean: 0 -> .35, 3 -> .25, 4 -> .275, 5 -> .125 (the max over heads would keep 3 over 0)
@@ -197,9 +221,9 @@ def test_tova_newest_query_averaged_over_heads_decides():
 def test_tova_state_follows_logical_tokens_across_an_eviction():
     _, table = make_table(6)
     policy = TOVA()
-    state = policy.init_state(table)
+    state = policy.init_state(1)
     newest = {0: 0.1, 1: 0.3, 2: 0.05, 3: 0.2, 4: 0.15, 5: 0.2}
-    policy.observe(state, table, weights_from({(0, 0): newest}, table, 1, 1))
+    observe(policy, state, table, weights_from({(0, 0): newest}, table, 1, 1))
     table.evict([1])  # decided elsewhere; the remaining tokens keep their scores
     assert victims(policy, state, table, 3) == expected_victims(newest, set(), live(table), 3)
 
@@ -210,17 +234,17 @@ def test_tova_state_follows_logical_tokens_across_an_eviction():
 def test_scissorhands_counts_importance_over_the_last_history_queries():
     pool, table = make_table(4)
     policy = Scissorhands(history=3, recent_tokens=0)
-    state = policy.init_state(table)
+    state = policy.init_state(1)
     queries = []  # (live indices, {index: weight}) per query, oldest first
 
     step1 = [{0: 0.5, 1: 0.25, 2: 0.125, 3: 0.125}, {0: 0.125, 1: 0.125, 2: 0.5, 3: 0.25}]
-    policy.observe(state, table, weights_from(dict(enumerate_rows(step1)), table, 1, 2))
+    observe(policy, state, table, weights_from(dict(enumerate_rows(step1)), table, 1, 2))
     queries += [(live(table), row) for row in step1]
 
     table.evict([1])
     append(pool, table, 1)  # live [0, 2, 3, 4], threshold still 1/4
     step2 = [{0: 0.5, 2: 0.25, 3: 0.125, 4: 0.125}, {0: 0.0625, 2: 0.0625, 3: 0.24, 4: 0.6375}]
-    policy.observe(state, table, weights_from(dict(enumerate_rows(step2)), table, 1, 2))
+    observe(policy, state, table, weights_from(dict(enumerate_rows(step2)), table, 1, 2))
     queries += [(live(table), row) for row in step2]
 
     counts = Counter()
@@ -228,24 +252,24 @@ def test_scissorhands_counts_importance_over_the_last_history_queries():
         counts.update(i for i in alive if row[i] >= 1 / len(alive))
     expected = [counts[i] for i in live(table)]
     assert expected == [1, 2, 1, 1]  # token 0 lost the count of the forgotten first query
-    assert policy.scores(state, table).tolist() == expected
+    assert scores(policy, state, table).tolist() == expected
 
 
 def test_scissorhands_threshold_is_uniform_over_the_live_tokens_then():
     _, table = make_table(10, evicted=(1, 2, 3, 4, 5, 6))  # L = 4: threshold 1/4, not 1/10
     policy = Scissorhands(history=8, recent_tokens=0)
-    state = policy.init_state(table)
+    state = policy.init_state(1)
     row = {0: 0.25, 7: 0.5, 8: 0.125, 9: 0.125}
-    policy.observe(state, table, weights_from({(0, 0): row}, table, 1, 1))
-    assert policy.scores(state, table).tolist() == [1, 1, 0, 0]
+    observe(policy, state, table, weights_from({(0, 0): row}, table, 1, 1))
+    assert scores(policy, state, table).tolist() == [1, 1, 0, 0]
 
 
 def test_scissorhands_keeps_recent_tokens_and_evicts_the_least_persistent():
     _, table = make_table(8)
     policy = Scissorhands(history=4, recent_tokens=2, sink_tokens=1)
-    state = policy.init_state(table)
+    state = policy.init_state(1)
     rows = [{1: 0.5, 3: 0.25, 4: 0.25}, {1: 0.5, 4: 0.5}, {1: 0.75, 2: 0.25}]
-    policy.observe(state, table, weights_from(dict(enumerate_rows(rows)), table, 1, 3))
+    observe(policy, state, table, weights_from(dict(enumerate_rows(rows)), table, 1, 3))
     counts = Counter(i for row in rows for i, w in row.items() if w >= 1 / 8)
     score = {i: counts[i] for i in range(8)}
     expected = expected_victims(score, {0, 6, 7}, list(range(8)), budget=5)
@@ -261,7 +285,7 @@ def test_snapkv_votes_of_the_window_max_pooled_over_live_neighbours():
     alive = live(table)  # [0, 1, 2, 4, 5, 6, 7, 8]
     window, kernel = 2, 3
     policy = SnapKV(window=window, kernel_size=kernel)
-    state = policy.init_state(table)
+    state = policy.init_state(1)
     rows = {
         (0, 0): {5: 1.0},  # the oldest query is outside the observation window: ignored
         (0, 1): {2: 0.25, 7: 0.5, 8: 0.25},
@@ -269,7 +293,7 @@ def test_snapkv_votes_of_the_window_max_pooled_over_live_neighbours():
         (0, 2): {6: 0.0625, 7: 0.9375},
         (1, 2): {7: 0.5, 8: 0.5},
     }
-    policy.observe(state, table, weights_from(rows, table, heads=2, queries=3))
+    observe(policy, state, table, weights_from(rows, table, heads=2, queries=3))
 
     votes = defaultdict(float)
     for (_, query), row in rows.items():
@@ -293,20 +317,20 @@ def test_snapkv_votes_of_the_window_max_pooled_over_live_neighbours():
 def test_snapkv_always_keeps_the_window():
     _, table = make_table(12)
     policy = SnapKV(window=4, kernel_size=1)
-    state = policy.init_state(table)
+    state = policy.init_state(1)
     rows = {(0, q): {i: 1 / 8 for i in range(8)} for q in range(4)}  # the window gets nothing
-    policy.observe(state, table, weights_from(rows, table, 1, 4))
+    observe(policy, state, table, weights_from(rows, table, 1, 4))
     assert victims(policy, state, table, 5) == [0, 1, 2, 3, 4, 5, 6]
 
 
 def test_snapkv_window_spans_observe_calls():
     pool, table = make_table(5)
     policy = SnapKV(window=2, kernel_size=1)
-    state = policy.init_state(table)
+    state = policy.init_state(1)
     step1 = {(0, 0): {0: 1.0}, (0, 1): {1: 0.5, 3: 0.5}}
-    policy.observe(state, table, weights_from(step1, table, 1, 2))
+    observe(policy, state, table, weights_from(step1, table, 1, 2))
     append(pool, table, 1)
-    policy.observe(state, table, weights_from({(0, 0): {2: 1.0}}, table, 1, 1))
+    observe(policy, state, table, weights_from({(0, 0): {2: 1.0}}, table, 1, 1))
     # The window is the last two queries ({1, 3} and {2}); the query that voted for 0 has left
     # it. Votes 0: 0, 1: .5, 2: 1, 3: .5; tokens 4, 5 are the window.
     votes = {0: 0.0, 1: 0.5, 2: 1.0, 3: 0.5}
@@ -320,7 +344,7 @@ def test_snapkv_window_spans_observe_calls():
 def test_streamingllm_keeps_sinks_and_most_recent_evicts_oldest():
     _, table = make_table(12, evicted=(3, 5))
     policy = StreamingLLM(sink_tokens=2)
-    state = policy.init_state(table)
+    state = policy.init_state(1)
     alive = live(table)  # [0, 1, 2, 4, 6, 7, 8, 9, 10, 11]
     # Keep alive[:2] and the newest budget - 2 tokens; evict the rest, oldest first.
     expected = alive[2 : len(alive) - (6 - 2)]
@@ -336,7 +360,7 @@ def test_random_eviction_is_reproducible_per_seed_and_varies_across_seeds():
 
     def draw(seed):
         policy = RandomEviction(seed=seed, sink_tokens=2, recent_tokens=3)
-        return victims(policy, policy.init_state(table), table, 14)
+        return victims(policy, policy.init_state(1), table, 14)
 
     first = draw(7)
     assert first == draw(7)
@@ -353,7 +377,7 @@ def test_random_eviction_is_roughly_uniform_over_unprotected_tokens():
     draws = 800
     for seed in range(draws):
         policy = RandomEviction(seed=seed, sink_tokens=1, recent_tokens=2)
-        counts.update(victims(policy, policy.init_state(table), table, len(alive) - 2))
+        counts.update(victims(policy, policy.init_state(1), table, len(alive) - 2))
     assert set(counts) == set(unprotected)  # every unprotected token, and nothing else
     mean = 2 * draws / len(unprotected)  # 200
     assert all(0.6 * mean < counts[i] < 1.4 * mean for i in unprotected), counts
@@ -366,12 +390,14 @@ def test_choose_victims_count_order_ties_and_nothing_within_budget():
     _, table = make_table(10, evicted=(2, 7))
     alive = live(table)  # [0, 1, 3, 4, 5, 6, 8, 9]
     policy = TOVA(sink_tokens=1, recent_tokens=2)
-    state = policy.init_state(table)
-    policy.observe(state, table, torch.full((2, 1, len(alive)), 1 / len(alive)))  # all tie
+    state = policy.init_state(1)
+    observe(policy, state, table, torch.full((2, 1, len(alive)), 1 / len(alive)))  # all tie
     assert victims(policy, state, table, 5) == [1, 3, 4]  # the oldest unprotected
+    assert victims(policy, state, table, len(alive) - 1) == [1]  # one victim (decode path)
     for budget in (len(alive), len(alive) + 3):
-        chosen = policy.choose_victims(state, table, budget)
-        assert chosen.numel() == 0 and chosen.dtype == torch.int64
+        chosen = policy.choose_victims(state, table.alive[None], [budget])
+        assert chosen.dtype == torch.bool and chosen.shape == (1, table.num_tokens)
+        assert not chosen.any()
 
 
 def test_min_budget_values():
@@ -413,15 +439,15 @@ def test_constructor_rejects_bad_arguments_naming_them(make, argument):
 class EvictNewest(EvictionPolicy):
     """A whole new policy in a few lines: the newest unprotected tokens go first."""
 
-    def scores(self, state, table):
-        return -table.live_indices().float()
+    def scores(self, state, alive):
+        return -torch.arange(alive.shape[1]).float().expand(alive.shape)
 
 
 def test_a_new_policy_is_a_few_lines_on_the_interface():
     _, table = make_table(10, evicted=(8,))
     policy = EvictNewest(sink_tokens=1, recent_tokens=1)
     assert policy.min_budget() == 3
-    assert victims(policy, policy.init_state(table), table, 5) == [4, 5, 6, 7]
+    assert victims(policy, policy.init_state(1), table, 5) == [4, 5, 6, 7]
 
 
 # ----------------------------------------------------------------- property: every policy
@@ -465,7 +491,7 @@ def test_choose_victims_returns_live_unprotected_tokens_of_the_right_count(name,
     num_tokens = data.draw(st.integers(1, 40), label="num_tokens")
     block_size = data.draw(st.sampled_from([1, 3, 4, 16]), label="block_size")
     pool, table = make_table(num_tokens, block_size=block_size)
-    state = policy.init_state(table)
+    state = policy.init_state(1)
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
     budget = data.draw(st.integers(policy.min_budget(), policy.min_budget() + 30), label="budget")
     for _ in range(data.draw(st.integers(1, 3), label="steps")):
@@ -477,7 +503,7 @@ def test_choose_victims_returns_live_unprotected_tokens_of_the_right_count(name,
         alive = live(table)
         heads, queries = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 4))
         weights = torch.rand(heads, queries, len(alive), generator=gen).softmax(-1)
-        policy.observe(state, table, weights)
+        observe(policy, state, table, weights)
         # State is kept by logical index: an eviction decided elsewhere may come in between.
         late = data.draw(st.sets(st.sampled_from(alive), max_size=len(alive) - 1), label="late")
         table.evict(sorted(late))
@@ -490,3 +516,37 @@ def test_choose_victims_returns_live_unprotected_tokens_of_the_right_count(name,
         assert not set(chosen) & must_keep(policy, alive, budget)
         table.evict(chosen)
         assert table.num_live == min(len(alive), budget)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@given(data=st.data())
+def test_a_batch_of_tables_decides_as_each_table_would_alone(name, data):
+    """A layer's N tables are scored in one call; each must get exactly the victims it gets
+    alone (live counts, ranks, windows, pooling and generators never leak between tables)."""
+    policy = POLICIES[name](data)
+    num_tables = data.draw(st.integers(2, 4), label="num_tables")
+    num_tokens = data.draw(st.integers(1, 30), label="num_tokens")
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    budgets = [
+        data.draw(st.integers(policy.min_budget(), policy.min_budget() + 20), label="budget")
+        for _ in range(num_tables)
+    ]
+    alive = torch.ones(num_tables, num_tokens, dtype=torch.bool)
+    together = policy.init_state(num_tables)
+    alone = [policy.init_state(1) for _ in range(num_tables)]
+    for _ in range(data.draw(st.integers(1, 3), label="steps")):
+        for row in range(num_tables):  # each table has its own gaps
+            live = alive[row].nonzero().flatten().tolist()
+            dead = data.draw(st.sets(st.sampled_from(live), max_size=len(live) - 1), label="gap")
+            alive[row, sorted(dead)] = False
+        heads, queries = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 4))
+        weights = torch.rand(num_tables, heads, queries, num_tokens, generator=gen)
+        weights = weights.softmax(-1) * alive[:, None, None, :]  # by logical index, 0 if dead
+        policy.observe(together, alive, weights)
+        for row in range(num_tables):
+            policy.observe(alone[row], alive[row : row + 1], weights[row : row + 1])
+    chosen = policy.choose_victims(together, alive, budgets)
+    for row in range(num_tables):
+        own = policy.choose_victims(alone[row], alive[row : row + 1], [budgets[row]])[0]
+        assert torch.equal(chosen[row], own), row
+        assert int(chosen[row].sum()) == max(int(alive[row].sum()) - budgets[row], 0)

@@ -31,6 +31,7 @@ from kvstack import ops
 from kvstack.errors import KVStackError
 
 ATTENTION_NAME = "kvstack"
+OBSERVE_CHUNK = 256  # queries per attention call when an eviction policy observes the weights
 
 
 @dataclass
@@ -117,21 +118,41 @@ def kvstack_attention(
             slots = slots.masked_fill(~attention_mask[:, -t_k:].bool(), -1)
         query_positions = torch.arange(t_k - t_q, t_k, device=key.device).expand(key.shape[0], t_q)
         want_weights, layer = False, None
-    result = attention(
-        query_bthd,
-        key_cache,
-        value_cache,
-        slots,
-        key_positions,
-        query_positions,
-        scale=scaling,
-        window=window,
-        return_weights=want_weights,
-    )
     if layer is None:
-        return result.out, result.weights
-    layer.after_attention(result.weights if want_weights else None)
-    return layer.merge_output(result.out), None
+        result = attention(
+            query_bthd,
+            key_cache,
+            value_cache,
+            slots,
+            key_positions,
+            query_positions,
+            scale=scaling,
+            window=window,
+        )
+        return result.out, None
+    # A policy that observes attention weights gets them OBSERVE_CHUNK queries at a time, so a
+    # long prefill never holds the whole [tables, heads, T_q, T_k] weights at once; it evicts
+    # only after the last chunk, so observing in parts decides exactly as observing at once.
+    outs = []
+    chunk = OBSERVE_CHUNK if want_weights else t_q
+    for start in range(0, t_q, chunk):
+        end = min(start + chunk, t_q)
+        result = attention(
+            query_bthd[:, start:end],
+            key_cache,
+            value_cache,
+            slots,
+            key_positions,
+            query_positions[:, start:end],
+            scale=scaling,
+            window=window,
+            return_weights=want_weights,
+        )
+        if want_weights:
+            layer.observe_attention(result.weights)
+        outs.append(result.out)
+    layer.after_attention()
+    return layer.merge_output(outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
 
 
 def register() -> None:

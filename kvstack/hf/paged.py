@@ -1,7 +1,8 @@
 """``PagedCache``: a Hugging Face ``Cache`` whose K/V live in block pools behind token tables.
 
 One ``PagedLayer`` per attention layer holds a ``BlockPool`` ([num_blocks, block_size, H_kv, D])
-and one ``TokenTable`` per batch row. ``update`` appends the step's K/V rows to the tables; with
+and one token table per batch row, kept together as a ``TokenTableBatch`` (the vectorised twin of
+N reference ``TokenTable``s, so a decode step costs a few tensor ops per layer, not per row). ``update`` appends the step's K/V rows to the tables; with
 the ``"kvstack"`` attention implementation it returns nothing to copy and the attention function
 reads through the tables (``kvstack.hf.attention``); with any other implementation (eager, sdpa)
 it gathers the rows back into the contiguous [B, H_kv, T, D] tensors transformers expects.
@@ -25,6 +26,7 @@ from transformers.cache_utils import (
     DynamicSlidingWindowLayer,
 )
 
+from kvstack.compiled.token_tables import TokenTableBatch
 from kvstack.errors import InvalidArgumentError, KVStackError
 from kvstack.hf import attention as kv_attention
 from kvstack.reference.block_pool import BlockPool
@@ -53,10 +55,10 @@ class PagedLayer(CacheLayerMixin):
         self.window = window
         self.is_sliding = window is not None
         self.pool: BlockPool | None = None
-        self.tables: list[TokenTable] = []
+        self.batch: TokenTableBatch | None = None  # the layer's token tables, vectorised
 
     def __repr__(self) -> str:
-        return f"PagedLayer(layer_idx={self.layer_idx}, rows={len(self.tables)}, pool={self.pool})"
+        return f"PagedLayer(layer_idx={self.layer_idx}, rows={self.batch_size}, pool={self.pool})"
 
     # ------------------------------------------------------------------ storage
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -75,21 +77,20 @@ class PagedLayer(CacheLayerMixin):
             device=key_states.device,
         )
         self.pool.free([self.pool.allocate(1)[0]])  # a valid empty pool; grown on demand
-        self.tables = [
-            TokenTable(self.block_size, device=key_states.device)
-            for _ in range(batch * self.groups)
-        ]
+        self.batch = TokenTableBatch(batch * self.groups, self.block_size, device=self.device)
         self.is_initialized = True
 
     def per_head_tables(self) -> bool:
         return False
 
+    @property
+    def tables(self) -> list[TokenTable]:
+        """The layer's token tables as reference ``TokenTable`` copies (for inspection)."""
+        return self.batch.tables() if self.is_initialized else []
+
     def _reserve(self, new_tokens: int) -> None:
         """Grow the pool (doubling) so that every table can append ``new_tokens`` tokens."""
-        needed = sum(
-            math.ceil(max(0, new_tokens - len(table.free_slots)) / self.block_size)
-            for table in self.tables
-        )
+        needed = self.batch.blocks_needed(new_tokens)
         if needed > self.pool.num_free_blocks:
             self.pool.grow(max(needed - self.pool.num_free_blocks, self.pool.num_blocks))
 
@@ -108,10 +109,11 @@ class PagedLayer(CacheLayerMixin):
         self._reserve(new_tokens)
         # [B, H_kv, T, D] -> [B * groups, T, heads_per_table, D]: one slab per table.
         shape = (batch * self.groups, self.heads_per_table, new_tokens, head_dim)
-        key_slabs = key_states.reshape(shape).transpose(1, 2)
-        value_slabs = value_states.reshape(shape).transpose(1, 2)
-        for index, table in enumerate(self.tables):
-            table.append(self.pool, key_slabs[index], value_slabs[index])
+        self.batch.append(
+            self.pool,
+            key_states.reshape(shape).transpose(1, 2),
+            value_states.reshape(shape).transpose(1, 2),
+        )
         if self.cache.uses_kvstack_attention():
             kv_attention.STEP.layer, kv_attention.STEP.key = self, key_states
             return key_states, value_states
@@ -120,23 +122,30 @@ class PagedLayer(CacheLayerMixin):
     def gather_contiguous(self) -> tuple[torch.Tensor, torch.Tensor]:
         """All rows' live K/V as [B, H_kv, T, D] (for eager/sdpa attention; needs one table per
         row and equal lengths)."""
-        rows = [self.pool.read(table.live_slots()) for table in self.tables]
-        keys = torch.stack([k for k, _ in rows]).transpose(1, 2)  # [B, H_kv, T, D]
-        values = torch.stack([v for _, v in rows]).transpose(1, 2)
-        return keys, values
+        _, slots = self.batch.live_view()  # [B, T]
+        keys, values = self.pool.read(slots.flatten())  # [B * T, H_kv, D]
+        shape = (*slots.shape, self.pool.num_kv_heads, self.pool.head_dim)
+        return keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
 
     # ------------------------------------------------------------------ what attention reads
     def attention_view(self):
-        """(key_cache, value_cache, slots [N, T_k], positions [N, T_k]) with -1 padding, where
-        N = B * groups is the number of tables."""
-        slots = torch.nn.utils.rnn.pad_sequence(
-            [table.live_slots() for table in self.tables], batch_first=True, padding_value=-1
-        )
+        """(key_cache, value_cache, slots [N, T_k], positions [N, T_k]) with -1 slot padding,
+        where N = B * groups is the number of tables. Remembers the view's logical indices for
+        ``weights_by_index``."""
+        indices, slots = self.batch.live_view()
+        self.view_indices = indices
         # Causality is by logical index (arrival order), which is what transformers' masks use.
-        positions = torch.nn.utils.rnn.pad_sequence(
-            [table.live_indices() for table in self.tables], batch_first=True, padding_value=0
-        )
-        return self.pool.key, self.pool.value, slots, positions
+        return self.pool.key, self.pool.value, slots, indices
+
+    def weights_by_index(self, weights: torch.Tensor) -> torch.Tensor:
+        """Attention weights over the last view's columns [N, H, T_q, L] -> by logical index
+        [N, H, T_q, T] (0 at dead tokens), what policies observe."""
+        indices = self.view_indices  # [N, L]
+        tables, width = indices.shape
+        if width == self.batch.num_tokens and self.batch.num_live == [width] * tables:
+            return weights  # every token live: the view is already in logical order
+        by_index = weights.new_zeros((*weights.shape[:3], self.batch.num_tokens))
+        return by_index.scatter_(3, indices[:, None, None, :].expand(weights.shape), weights)
 
     def split_query(self, query: torch.Tensor) -> torch.Tensor:
         """[B, T_q, H_q, D] -> [B * groups, T_q, H_q / groups, D]: each table's query heads."""
@@ -160,31 +169,34 @@ class PagedLayer(CacheLayerMixin):
 
     def query_positions(self, query_length: int) -> torch.Tensor:
         """Logical indices of the last ``query_length`` tokens of each table: [N, T_q]."""
-        seen = self.tables[0].num_tokens
+        seen = self.batch.num_tokens
         start = seen - query_length
-        return torch.arange(start, seen, device=self.device).expand(len(self.tables), query_length)
+        return torch.arange(start, seen, device=self.device).expand(
+            self.batch.num_tables, query_length
+        )
 
     def evict_padding(self, new_token_mask: torch.Tensor) -> None:
         """Evict this step's padding tokens (mask [B, T_q] False) so attention never reads them."""
         if bool(new_token_mask.all()):
             return
-        start = self.tables[0].num_tokens - new_token_mask.shape[1]
-        for index, table in enumerate(self.tables):
-            row = index // self.groups
-            padding = (~new_token_mask[row].bool()).nonzero().flatten() + start
-            if padding.numel():
-                table.evict(padding.to(table.device))
+        padding = ~new_token_mask.bool().to(self.device).repeat_interleave(self.groups, dim=0)
+        victims = torch.zeros_like(self.batch.alive)  # [N, T]
+        victims[:, self.batch.num_tokens - padding.shape[1] :] = padding
+        self.batch.evict(victims & self.batch.alive)
 
     def wants_attention_weights(self) -> bool:
         return False
 
-    def after_attention(self, weights: torch.Tensor | None) -> None:
-        """Called after each step's attention with its weights ([N, H', T_q, T_k]) when
-        ``wants_attention_weights``; PagedCache keeps everything."""
+    def observe_attention(self, weights: torch.Tensor) -> None:
+        """Called with the attention weights of each chunk of the step's queries ([N, H', T_c,
+        T_k] over the view's columns) when ``wants_attention_weights``."""
+
+    def after_attention(self) -> None:
+        """Called once after each step's attention; PagedCache keeps everything."""
 
     # ------------------------------------------------------------------ transformers API
     def get_seq_length(self) -> int:
-        return self.tables[0].num_tokens if self.is_initialized and self.tables else 0
+        return self.batch.num_tokens if self.is_initialized else 0
 
     def get_mask_sizes(self, query_length: Any, *args: Any) -> tuple[int, int]:
         # transformers >= 5.2x passes an int query length; older 5.x a cache_position tensor.
@@ -196,14 +208,13 @@ class PagedLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         if self.is_initialized:
-            for table in self.tables:
-                table.release_all(self.pool)
+            self.batch.release_all(self.pool)
 
     def _select_rows(self, rows: list[int]) -> None:
         """New row i is a copy of old row ``rows[i]`` (beam search, repeat, select)."""
         if not self.is_initialized:
             return
-        old = self.tables
+        old = self.batch.tables()
         taken: set[int] = set()
         new_tables = []
         for source in (row * self.groups + g for row in rows for g in range(self.groups)):
@@ -217,7 +228,7 @@ class PagedLayer(CacheLayerMixin):
         for index, table in enumerate(old):
             if index not in taken:
                 table.release_all(self.pool)
-        self.tables = new_tables
+        self.batch = TokenTableBatch.from_tables(new_tables, self.block_size, device=self.device)
 
     def _reserve_for_copy(self, tokens: int) -> None:
         needed = math.ceil(tokens / self.block_size)
@@ -228,14 +239,14 @@ class PagedLayer(CacheLayerMixin):
         self._select_rows(beam_idx.tolist())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._select_rows([row for row in range(len(self.tables)) for _ in range(repeats)])
+        self._select_rows([row for row in range(self.batch_size) for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._select_rows(indices.tolist())
 
     @property
     def batch_size(self) -> int:
-        return len(self.tables) // self.groups if self.is_initialized else 0
+        return self.batch.num_tables // self.groups if self.is_initialized else 0
 
 
 class PagedCache(Cache):
@@ -312,8 +323,8 @@ class PagedCache(Cache):
             block_bytes = (
                 pool.block_size * pool.num_kv_heads * pool.head_dim * pool.key.element_size() * 2
             )
-            layer_blocks = sum(len(t.blocks) for t in layer.tables)
-            layer_live = sum(t.num_live for t in layer.tables)
+            layer_blocks = sum(len(blocks) for blocks in layer.batch.blocks)
+            layer_live = sum(layer.batch.num_live)
             blocks += layer_blocks
             total_bytes += layer_blocks * block_bytes
             capacity += layer_blocks * self.block_size

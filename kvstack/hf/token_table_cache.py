@@ -18,7 +18,6 @@ hands the weights to policies: the model must use ``attn_implementation="kvstack
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from typing import Any
@@ -38,7 +37,7 @@ class TokenTableLayer(PagedLayer):
     ) -> None:
         super().__init__(cache, layer_idx, block_size, window)
         self.policy: EvictionPolicy = cache.policy
-        self.states: list[Any] = []
+        self.state: Any = None  # the policy's state for this layer's tables
         self.budgets: list[int] = []  # per table, fixed at prefill
         self.repacks = 0
         self.repack_seconds = 0.0
@@ -61,36 +60,55 @@ class TokenTableLayer(PagedLayer):
             )
         return super().update(key_states, value_states, *args, **kwargs)
 
-    def after_attention(self, weights: torch.Tensor | None) -> None:
-        """Evict down to the budget after this step's attention ([N, heads, T_q, T_k] or None)."""
-        if not self.states:  # first step: the prompt's real tokens fix each table's budget
-            self.states = [self.policy.init_state(table) for table in self.tables]
-            self.budgets = [self.cache.budget_for(table.num_live) for table in self.tables]
-        for index, table in enumerate(self.tables):
-            state = self.states[index]
-            if weights is not None:
-                self.policy.observe(state, table, weights[index, :, :, : table.num_live])
-            victims = self.policy.choose_victims(state, table, self.budgets[index])
-            if victims.numel() == 0:
-                continue
-            table.evict(victims, release=self.cache.reclaim)
-            if self.cache.reclaim:
-                self._maybe_repack(index)
+    def _start(self) -> None:
+        # The first step's real tokens (the prompt's, padding evicted) fix each table's budget.
+        self.state = self.policy.init_state(self.batch.num_tables)
+        self.budgets = [self.cache.budget_for(live) for live in self.batch.num_live]
+
+    def observe_attention(self, weights: torch.Tensor) -> None:
+        """Hand one chunk of this step's attention ([N, heads, T_c, L] over the view's
+        columns) to the policy."""
+        if not self.budgets:
+            self._start()
+        self.policy.observe(self.state, self.batch.alive, self.weights_by_index(weights))
+
+    def after_attention(self) -> None:
+        """Evict down to the budget after this step's attention."""
+        batch = self.batch
+        if not self.budgets:
+            self._start()
+        if all(live <= budget for live, budget in zip(batch.num_live, self.budgets, strict=True)):
+            return
+        victims = self.policy.choose_victims(self.state, batch.alive, self.budgets)
+        evicted = batch.evict(victims, release=self.cache.reclaim)
+        if self.cache.reclaim:  # a table that just lost tokens may now be worth repacking
+            for index, count in enumerate(evicted):
+                if count:
+                    self._maybe_repack(index)
 
     def _maybe_repack(self, index: int) -> None:
-        plan = plan_repack(self.tables[index], threshold=self.cache.repack_threshold)
+        batch = self.batch
+        blocks = len(batch.blocks[index])
+        # plan_repack's own conditions, checked first so that most tables cost no copy.
+        if batch.waste(index) <= self.cache.repack_threshold or blocks <= math.ceil(
+            batch.num_live[index] / self.block_size
+        ):
+            return
+        table = batch.table(index)
+        plan = plan_repack(table, threshold=self.cache.repack_threshold)
         if plan is None:
             return
         start = time.perf_counter()
-        execute_repack(self.tables[index], self.pool, plan, copy=ops.get("copy_slots"))
+        execute_repack(table, self.pool, plan, copy=ops.get("copy_slots"))
+        batch.set_table(index, table)
         self.repack_seconds += time.perf_counter() - start
         self.repacks += 1
 
     def _select_rows(self, rows: list[int]) -> None:
-        if self.states:  # per-table state follows its table (beam search, repeats)
+        if self.budgets:  # per-table state follows its table (beam search, repeats)
             groups = self.groups
             picks = [row * groups + g for row in rows for g in range(groups)]
-            self.states = [copy.deepcopy(self.states[i]) for i in picks]
+            self.state = self.policy.select(self.state, picks)
             self.budgets = [self.budgets[i] for i in picks]
         super()._select_rows(rows)
 

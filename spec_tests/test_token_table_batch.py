@@ -1,0 +1,131 @@
+"""``TokenTableBatch`` (compiled/) is N reference ``TokenTable``s (reference/), exactly.
+
+Both are driven through the same random operation sequence — appends of a few tokens to every
+table, per-table evictions with and without release, a repack of one table through
+``table``/``set_table`` — each against its own pool that starts from the same shuffled free
+list. After every operation the batch must hold what the reference tables hold: the same slot
+for every logical token, the same liveness, blocks and sorted free slots, the same K/V bytes at
+every live slot, the same pool free list, and an attention view that lists each table's live
+slots in logical order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvstack.compiled.token_tables import TokenTableBatch
+from kvstack.errors import DeadTokenError, InvalidArgumentError, PoolExhausted
+from kvstack.reference.block_pool import BlockPool
+from kvstack.reference.repack import execute_repack, plan_repack
+from kvstack.reference.token_table import TokenTable
+
+HEADS, DIM = 2, 3
+
+
+def make_pool(num_blocks: int, block_size: int, order: list[int]) -> BlockPool:
+    pool = BlockPool(num_blocks, block_size, HEADS, DIM)
+    pool.free_blocks.clear()
+    pool.free_blocks.extend(order)  # the same shuffled free list for both pools
+    return pool
+
+
+def assert_same(batch: TokenTableBatch, batch_pool, tables, table_pool) -> None:
+    assert list(batch_pool.free_blocks) == list(table_pool.free_blocks)
+    for index, table in enumerate(tables):
+        mine = batch.table(index)
+        assert torch.equal(mine.slots, table.slots), index
+        assert torch.equal(mine.alive, table.alive), index
+        assert mine.blocks == table.blocks and mine.free_slots == table.free_slots, index
+        assert batch.num_live[index] == table.num_live
+        key, value = batch_pool.read(table.live_slots())
+        ref_key, ref_value = table_pool.read(table.live_slots())
+        assert torch.equal(key, ref_key) and torch.equal(value, ref_value)
+        mine.check_invariants()
+    indices, slots = batch.live_view()
+    for index, table in enumerate(tables):
+        live = table.num_live
+        assert indices[index, :live].tolist() == table.live_indices().tolist()
+        assert slots[index, :live].tolist() == table.live_slots().tolist()
+        assert (slots[index, live:] == -1).all()
+
+
+@given(data=st.data())
+def test_batch_follows_the_reference_tables_through_random_operations(data):
+    num_tables = data.draw(st.integers(1, 4), label="num_tables")
+    block_size = data.draw(st.sampled_from([1, 2, 4, 8]), label="block_size")
+    num_blocks = 64
+    order = data.draw(st.permutations(range(num_blocks)), label="free_list")
+    batch_pool, table_pool = (
+        make_pool(num_blocks, block_size, order),
+        make_pool(num_blocks, block_size, order),
+    )
+    batch = TokenTableBatch(num_tables, block_size)
+    tables = [TokenTable(block_size) for _ in range(num_tables)]
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+
+    for _ in range(data.draw(st.integers(1, 8), label="steps")):
+        op = data.draw(st.sampled_from(["append", "append", "evict", "repack"]), label="op")
+        if op == "append":
+            n = data.draw(st.integers(0, 5), label="n")
+            key = torch.randn(num_tables, n, HEADS, DIM, generator=gen)
+            value = torch.randn(num_tables, n, HEADS, DIM, generator=gen)
+            if not batch_pool.can_allocate(batch.blocks_needed(n)):
+                with pytest.raises(PoolExhausted):
+                    batch.append(batch_pool, key, value)
+                continue  # and the batch must be as it was
+            for index, table in enumerate(tables):
+                table.append(table_pool, key[index], value[index])
+            batch.append(batch_pool, key, value)
+        elif op == "evict":
+            release = data.draw(st.booleans(), label="release")
+            victims = torch.zeros(num_tables, batch.num_tokens, dtype=torch.bool)
+            for index, table in enumerate(tables):
+                live = table.live_indices().tolist()
+                chosen = sorted(
+                    data.draw(st.sets(st.sampled_from(live)) if live else st.just(set()))
+                )
+                victims[index, chosen] = True
+                table.evict(chosen, release=release)
+            batch.evict(victims, release=release)
+        else:
+            index = data.draw(st.integers(0, num_tables - 1), label="table")
+            plan = plan_repack(tables[index], force=True)
+            if plan is not None:
+                execute_repack(tables[index], table_pool, plan)
+                mine = batch.table(index)
+                execute_repack(mine, batch_pool, plan_repack(mine, force=True))
+                batch.set_table(index, mine)
+        assert_same(batch, batch_pool, tables, table_pool)
+
+
+def test_bad_input_names_the_argument_and_changes_nothing():
+    pool = BlockPool(4, 2, HEADS, DIM)
+    batch = TokenTableBatch(2, 2)
+    batch.append(pool, torch.zeros(2, 3, HEADS, DIM), torch.zeros(2, 3, HEADS, DIM))
+    before = (batch.slots.clone(), batch.alive.clone(), list(pool.free_blocks))
+
+    with pytest.raises(InvalidArgumentError, match="key"):
+        batch.append(pool, torch.zeros(3, 1, HEADS, DIM), torch.zeros(3, 1, HEADS, DIM))
+    with pytest.raises(PoolExhausted):  # 2 tables x 2 new blocks, but 0 free
+        batch.append(pool, torch.zeros(2, 4, HEADS, DIM), torch.zeros(2, 4, HEADS, DIM))
+    with pytest.raises(InvalidArgumentError, match="victims"):
+        batch.evict(torch.zeros(2, 2, dtype=torch.bool))
+    victims = torch.zeros(2, 3, dtype=torch.bool)
+    victims[0, 1] = True
+    batch.evict(victims)
+    with pytest.raises(DeadTokenError, match=r"\(0, 1\)"):
+        batch.evict(victims)
+    with pytest.raises(InvalidArgumentError, match="block_size"):
+        batch.append(
+            BlockPool(4, 4, HEADS, DIM),
+            torch.zeros(2, 1, HEADS, DIM),
+            torch.zeros(2, 1, HEADS, DIM),
+        )
+
+    after_evict = before[1].clone()
+    after_evict[0, 1] = False
+    assert torch.equal(batch.alive, after_evict)
+    assert list(pool.free_blocks) == before[2]
