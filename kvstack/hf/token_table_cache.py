@@ -10,8 +10,10 @@ lowest-ranked unprotected tokens, and
 * ``reclaim=False``: Naive-Evict, the baseline of vToken's figures — the same victims, but their
   slots stay occupied, so the blocks a request holds never shrink.
 
-Prefill attends over the whole prompt and then evicts down to the budget (as H2O, SnapKV and
-vToken do); a decode step attends over budget + 1 tokens and evicts one. The attention runs in
+Prefill attends over the whole prompt (the policy observes its weights in chunks of queries)
+and then evicts down to the budget (as H2O, SnapKV and vToken do); a decode step attends over
+budget + 1 tokens and evicts one. A layer's tables are one ``TokenTableBatch`` and the policy
+scores all of them at once, so a step costs a few tensor ops per layer, not per table. The attention runs in
 kvstack's own implementation, which is the only one that reads through the token tables and
 hands the weights to policies: the model must use ``attn_implementation="kvstack"``.
 """
