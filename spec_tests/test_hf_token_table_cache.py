@@ -184,3 +184,23 @@ def test_cache_built_for_another_model_is_refused():
 def test_policy_must_be_a_policy():
     with pytest.raises(InvalidArgumentError, match="policy must be an EvictionPolicy"):
         TokenTableCache(tiny_llama().config, "h2o", budget=16)
+
+
+@pytest.mark.parametrize("name", ["h2o", "scissorhands", "snapkv", "tova"])
+def test_observing_a_prefill_in_query_chunks_decides_as_at_once(name, monkeypatch):
+    """A policy sees a long prefill's weights OBSERVE_CHUNK queries at a time and evicts after
+    the last chunk; with 7-query chunks over a 60-token prompt it must keep exactly the tokens
+    it keeps when it sees all 60 rows at once (H2O's sums may differ in the last bit only)."""
+    import kvstack.hf.attention as kv_attention
+
+    model, ids = tiny_llama(), prompt(length=60, batch=2)
+    kept = {}
+    for chunk in (7, 1024):
+        monkeypatch.setattr(kv_attention, "OBSERVE_CHUNK", chunk)
+        cache = TokenTableCache(model.config, POLICIES[name](), budget=24, block_size=4)
+        tokens = generate(model, ids, cache, max_new_tokens=8)
+        alive = [layer.batch.alive.clone() for layer in cache.paged_layers]
+        kept[chunk] = (tokens, alive)
+    assert torch.equal(kept[7][0], kept[1024][0])
+    for chunked, whole in zip(kept[7][1], kept[1024][1], strict=True):
+        assert torch.equal(chunked, whole)
