@@ -54,6 +54,7 @@ import torch
 from kvstack.bench import quality_data
 from kvstack.bench.quality_data import KINDS, QualityItem
 from kvstack.errors import InvalidArgumentError
+from kvstack.models import greedy_generation_config
 
 POLICIES = ("h2o", "scissorhands", "random", "streamingllm", "snapkv", "tova")
 FULL_NAME = "full"
@@ -102,24 +103,6 @@ def prompt_ids(tokenizer: Any, item: QualityItem) -> torch.Tensor:
     )
     text += item.answer_prefix
     return tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
-
-
-def _greedy_config(model: Any, tokenizer: Any, max_new_tokens: int) -> Any:
-    import copy
-
-    config = copy.deepcopy(model.generation_config)
-    config.do_sample = False
-    for knob in ("temperature", "top_p", "top_k", "min_p", "typical_p"):
-        if getattr(config, knob, None) is not None:
-            setattr(config, knob, None)  # meaningless when greedy; generate warns otherwise
-    config.max_new_tokens = max_new_tokens
-    config.min_new_tokens = None
-    if config.eos_token_id is None:
-        config.eos_token_id = model.config.eos_token_id or tokenizer.eos_token_id
-    if config.pad_token_id is None:
-        eos = config.eos_token_id
-        config.pad_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
-    return config
 
 
 @dataclass(frozen=True)
@@ -272,7 +255,7 @@ def run_quality(
             )
         nll_ids[name] = (ids[:, : config.nll_context], ids[:, config.nll_context : need])
 
-    generation_config = _greedy_config(model, tokenizer, config.max_new_tokens)
+    generation_config = greedy_generation_config(model, tokenizer, config.max_new_tokens)
     cases = _cases(model, config)
     results: dict[str, dict] = {}
     for case in cases:

@@ -233,27 +233,25 @@ def token_table_generate(
         budget = cache.budget_for(p.num_tokens)
         for layer in cache.paged_layers:
             pool = layer.pool
-            tables = layer.tables[row * layer.groups : (row + 1) * layer.groups]  # row-major
-            for table in tables:
-                if table.num_live != budget:
+            block_kv_bytes = (
+                2 * pool.block_size * pool.num_kv_heads * pool.head_dim * pool.key.element_size()
+            )
+            mine = range(row * layer.groups, (row + 1) * layer.groups)  # tables are row-major
+            for index in mine:
+                table_live, table_blocks = (
+                    layer.batch.num_live[index],
+                    len(layer.batch.blocks[index]),
+                )
+                if table_live != budget:
                     raise KVStackError(
                         f"prompt {p.name!r}, {policy} at ratio {ratio:g}: a table of layer "
-                        f"{layer.layer_idx} holds {table.num_live} live tokens, expected its "
+                        f"{layer.layer_idx} holds {table_live} live tokens, expected its "
                         f"budget {budget} = ceil({ratio:g} x {p.num_tokens})"
                     )
-                blocks += len(table.blocks)
-                ideal += math.ceil(table.num_live / config.block_size)
-                block_bytes += (
-                    len(table.blocks)
-                    * (
-                        pool.block_size
-                        * pool.num_kv_heads
-                        * pool.head_dim
-                        * pool.key.element_size()
-                    )
-                    * 2
-                )
-            live += sum(table.num_live for table in tables) / layer.groups
+                blocks += table_blocks
+                ideal += math.ceil(table_live / config.block_size)
+                block_bytes += table_blocks * block_kv_bytes
+            live += sum(layer.batch.num_live[index] for index in mine) / layer.groups
         runs.append(
             Run(
                 prompt=p.name,

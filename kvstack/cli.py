@@ -169,29 +169,12 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_core(out: Path, quick: bool, argv: Sequence[str]) -> int:
-    from kvstack.bench.core import run_core
+def _run_bench(name: str, out: Path, quick: bool, argv: Sequence[str]) -> int:
+    """Run benchmark ``name`` (core, vtoken, quality) into ``out`` and print its report."""
+    import importlib
 
-    command = shlex.join(["kvstack", *argv])
-    run_core(out, quick=quick, command=command, verbose=True)
-    print((out / "report.md").read_text())
-    return 0
-
-
-def _run_vtoken(out: Path, quick: bool, argv: Sequence[str]) -> int:
-    from kvstack.bench.vtoken import run_vtoken
-
-    command = shlex.join(["kvstack", *argv])
-    run_vtoken(out, quick=quick, command=command, verbose=True)
-    print((out / "report.md").read_text())
-    return 0
-
-
-def _run_quality(out: Path, quick: bool, argv: Sequence[str]) -> int:
-    from kvstack.bench.quality import run_quality
-
-    command = shlex.join(["kvstack", *argv])
-    run_quality(out, quick=quick, command=command, verbose=True)
+    run = getattr(importlib.import_module(f"kvstack.bench.{name}"), f"run_{name}")
+    run(out, quick=quick, command=shlex.join(["kvstack", *argv]), verbose=True)
     print((out / "report.md").read_text())
     return 0
 
@@ -200,12 +183,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``kvstack`` and ``python -m kvstack``; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
-    if args.command == "bench" and args.suite == "vtoken":
-        return _run_vtoken(args.out, args.quick, argv)
-    if args.command == "bench" and args.suite == "quality":
-        return _run_quality(args.out, args.quick, argv)
     if args.command == "bench":
-        return _run_core(args.out, args.quick, argv)
+        return _run_bench(args.suite, args.out, args.quick, argv)
     if args.command == "demo":
         return _run_demo(args)
     if args.command == "ops":

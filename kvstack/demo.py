@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvstack.errors import InvalidArgumentError
+from kvstack.models import greedy_generation_config
 
 if TYPE_CHECKING:
     import torch
@@ -225,23 +226,6 @@ def load_model(model_path: Path | None) -> tuple[Any, Any, str]:
     return model, tokenizer, Path(model_path).name
 
 
-def _greedy_config(model: Any, tokenizer: Any, new_tokens: int) -> Any:
-    """The model's generation config, greedy, for exactly ``new_tokens`` tokens: end-of-sequence
-    is suppressed until then, so that every cache does the same number of decode steps."""
-    config = copy.deepcopy(model.generation_config)
-    config.do_sample = False
-    for knob in ("temperature", "top_p", "top_k", "min_p", "typical_p"):
-        if getattr(config, knob, None) is not None:
-            setattr(config, knob, None)  # meaningless when greedy; generate warns otherwise
-    config.max_new_tokens = config.min_new_tokens = new_tokens
-    if config.eos_token_id is None:
-        config.eos_token_id = model.config.eos_token_id or tokenizer.eos_token_id
-    if config.pad_token_id is None:
-        eos = config.eos_token_id
-        config.pad_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
-    return config
-
-
 def _prompt_ids(tokenizer: Any, text: str) -> torch.Tensor:
     """[1, T] token ids: the text as a user turn if the tokenizer has a chat template."""
     if getattr(tokenizer, "chat_template", None):
@@ -361,7 +345,9 @@ def run_demo(options: DemoOptions, say: Callable[[str], None] = print) -> list[D
             f"prompt_file={source!r} has {prompt_tokens} tokens; with max_new_tokens="
             f"{new_tokens} that exceeds the {limit} positions of {model_name}"
         )
-    config = _greedy_config(model, tokenizer, new_tokens)
+    # Exactly new_tokens tokens: EOS is suppressed until then, so that every cache does the
+    # same number of decode steps.
+    config = greedy_generation_config(model, tokenizer, new_tokens, min_new_tokens=new_tokens)
 
     policy_name = type(make_policy(options.policy)).__name__
     share = f"budget {options.budget}" if options.budget is not None else f"ratio {options.ratio:g}"

@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
+    "greedy_generation_config",
     "SMOLLM2_CACHE_NAME",
     "SMOLLM2_GGUF_FILE",
     "SMOLLM2_INSTALL_COMMAND",
@@ -527,3 +528,26 @@ def _load_from_cache(
     tokenizer.padding_side = "left"
     _make_greedy(model, tokenizer)
     return model, tokenizer
+
+
+def greedy_generation_config(
+    model: Any, tokenizer: Any, max_new_tokens: int, *, min_new_tokens: int | None = None
+) -> Any:
+    """A copy of the model's generation config for greedy decoding of at most
+    ``max_new_tokens`` tokens (``min_new_tokens``: end-of-sequence suppressed until then), with
+    the sampling knobs cleared and EOS / padding filled in from the model or tokenizer."""
+    import copy
+
+    config = copy.deepcopy(model.generation_config)
+    config.do_sample = False
+    for knob in ("temperature", "top_p", "top_k", "min_p", "typical_p"):
+        if getattr(config, knob, None) is not None:
+            setattr(config, knob, None)  # meaningless when greedy; generate warns otherwise
+    config.max_new_tokens = max_new_tokens
+    config.min_new_tokens = min_new_tokens
+    if config.eos_token_id is None:
+        config.eos_token_id = model.config.eos_token_id or tokenizer.eos_token_id
+    if config.pad_token_id is None:
+        eos = config.eos_token_id
+        config.pad_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
+    return config
