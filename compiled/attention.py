@@ -172,8 +172,8 @@ def paged_attention(
         )
         outs.append(part.out)
         lses.append(part.lse)
-        if return_weights:
-            weights.append(F.pad(part.weights, (0, t_k - width)))  # [B, H_q, T_c, T_k]
+        if return_weights:  # [B, H_q, T_c, T_k]
+            weights.append(F.pad(part.weights, (0, t_k - width)) if width < t_k else part.weights)
     if len(outs) == 1:
         return AttentionOutput(outs[0], lses[0], weights[0] if return_weights else None)
     return AttentionOutput(

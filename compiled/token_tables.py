@@ -27,6 +27,7 @@ guard evaluation would cost more than the work.
 
 from __future__ import annotations
 
+import bisect
 import math
 
 import torch
@@ -114,9 +115,38 @@ class TokenTableBatch:
                 f"appending {n} tokens to {self.num_tables} tables needs "
                 f"{self.blocks_needed(n)} blocks, but only {pool.num_free_blocks} are free"
             )
+        new_slots = self._take_slots(pool, n)
+        slots = torch.tensor(new_slots, dtype=torch.int64, device=self.device)  # [N * n]
+        # The slots come from blocks these tables own, so the pool's own slot check (two
+        # device syncs per append) is skipped: write the rows directly.
+        rows = (pool.num_slots, pool.num_kv_heads, pool.head_dim)  # pool as [S, H, D]
+        new_rows = (-1, pool.num_kv_heads, pool.head_dim)  # [N, n, H, D] -> [N * n, H, D]
+        device_slots = slots.to(pool.key.device)
+        pool.key.view(rows).index_copy_(0, device_slots, key.reshape(new_rows).to(pool.key.dtype))
+        pool.value.view(rows).index_copy_(
+            0, device_slots, value.reshape(new_rows).to(pool.value.dtype)
+        )
+        self._reserve_columns(self.num_tokens + n)
+        start, self.num_tokens = self.num_tokens, self.num_tokens + n
+        self._slots[:, start : self.num_tokens] = slots.view(self.num_tables, n)
+        self._alive[:, start : self.num_tokens] = True
+        return slots.view(self.num_tables, n)
+
+    def _take_slots(self, pool: BlockPool, n: int) -> list[int]:
+        """The reference's append, table by table: released slots first, lowest first, then
+        new blocks from the pool. Returns the slots, table-major; updates the Python lists."""
         bs = self.block_size
         new_slots: list[int] = []
-        for index, free in enumerate(self.free_slots):  # the reference's append, table by table
+        if n == 1:  # a decode step: one slot per table, no list rebuilding
+            for index, free in enumerate(self.free_slots):
+                if not free:
+                    block = pool.allocate(1)[0]
+                    self.blocks[index].append(block)
+                    free.extend(range(block * bs, (block + 1) * bs))
+                new_slots.append(free.pop(0))
+                self.num_live[index] += 1
+            return new_slots
+        for index, free in enumerate(self.free_slots):
             reused = free[:n]
             new_blocks = pool.allocate(math.ceil((n - len(reused)) / bs))
             fresh = [b * bs + o for b in new_blocks for o in range(bs)]
@@ -124,19 +154,38 @@ class TokenTableBatch:
             self.free_slots[index] = sorted(free[len(reused) :] + fresh[n - len(reused) :])
             self.blocks[index].extend(new_blocks)
             self.num_live[index] += n
-        slots = torch.tensor(new_slots, dtype=torch.int64, device=self.device)  # [N * n]
-        # The slots come from blocks these tables own, so the pool's own slot check (two
-        # device syncs per append) is skipped: write the rows directly.
-        rows = (pool.num_slots, pool.num_kv_heads, pool.head_dim)  # pool as [S, H, D]
-        new_rows = (-1, pool.num_kv_heads, pool.head_dim)  # [N, n, H, D] -> [N * n, H, D]
-        device_slots = slots.to(pool.key.device)
-        pool.key.view(rows)[device_slots] = key.reshape(new_rows).to(pool.key.dtype)
-        pool.value.view(rows)[device_slots] = value.reshape(new_rows).to(pool.value.dtype)
-        self._reserve_columns(self.num_tokens + n)
-        start, self.num_tokens = self.num_tokens, self.num_tokens + n
-        self._slots[:, start : self.num_tokens] = slots.view(self.num_tables, n)
-        self._alive[:, start : self.num_tokens] = True
-        return slots.view(self.num_tables, n)
+        return new_slots
+
+    def evict_one_each(self, indices: torch.Tensor, *, release: bool = True) -> None:
+        """``evict`` of exactly one token per table, table i's at logical index ``indices[i]``
+        ([N] int64): a decode step's eviction in a few ops. The tokens must be live (raises
+        ``DeadTokenError`` otherwise, changing nothing)."""
+        check_tensor(
+            "indices", indices, shape=(self.num_tables,), dtypes=(torch.int64,), device=self.device
+        )
+        lowest, highest = (int(bound) for bound in torch.aminmax(indices))
+        if lowest < 0 or highest >= self.num_tokens:
+            raise InvalidArgumentError(
+                f"indices must be logical indices in [0, {self.num_tokens}), got {indices.tolist()}"
+            )
+        columns = indices[:, None]  # [N, 1]
+        slots = self.slots.gather(1, columns)  # [N, 1]
+        if not release:  # Naive-Evict keeps the slots of dead tokens: ask liveness itself
+            slots = slots.masked_fill(~self.alive.gather(1, columns), -1)
+        released = slots[:, 0].tolist()
+        if -1 in released:
+            dead = [i for i, slot in enumerate(released) if slot == -1]
+            raise DeadTokenError(
+                f"indices names tokens that are not live: tables {dead}, indices "
+                f"{indices.tolist()} of {self.num_tokens} tokens"
+            )
+        self._alive[:, : self.num_tokens].scatter_(1, columns, False)
+        for index, slot in enumerate(released):
+            self.num_live[index] -= 1
+            if release:
+                bisect.insort(self.free_slots[index], slot)
+        if release:
+            self._slots[:, : self.num_tokens].scatter_(1, columns, -1)
 
     def evict(self, victims: torch.Tensor, *, release: bool = True) -> list[int]:
         """Mark the tokens of ``victims`` ([N, T] bool) dead. ``release=True`` returns their

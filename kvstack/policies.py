@@ -19,6 +19,14 @@ decode step costs a few tensor ops per layer, not per table:
 ``choose_victims`` is shared: in each table, the ``live - budget`` unprotected live tokens with
 the lowest scores (ties go to the older token). "Recent" and "sink" count live tokens: the
 k-th newest live token, not logical index T - k.
+
+Two shared fast paths serve the decode step, where the same rule costs fewer tensor ops:
+``observe_columns`` takes the weights over the attention view's columns (each table's live
+tokens) and by default scatters them to logical indices for ``observe``; a policy whose
+observation is a per-token sum (H2O) adds them in place instead. ``choose_one_victim_each``
+picks one victim per table among the view's columns when every table holds the same number of
+live tokens, one over its budget: the sinks are the first columns and the recent window the
+last, so protection is a slice. Both give exactly what the general methods give (tests pin it).
 """
 
 from __future__ import annotations
@@ -111,6 +119,19 @@ class EvictionPolicy:
     def observe(self, state: Any, alive: torch.Tensor, weights: torch.Tensor) -> None:
         """``weights`` [N, heads, T_q, T]: this step's attention by logical index."""
 
+    def observe_columns(
+        self, state: Any, alive: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
+    ) -> None:
+        """``observe`` for weights over view columns: ``weights`` [N, heads, T_q, W] where
+        column j of table i is logical token ``indices[i, j]`` ([N, W], distinct per row;
+        padding columns carry weight 0). Tokens of no column received no attention."""
+        if bool(alive.all()):  # nothing evicted: column j is logical token j
+            by_index = F.pad(weights, (0, alive.shape[1] - weights.shape[-1]))
+        else:
+            by_index = weights.new_zeros((*weights.shape[:3], alive.shape[1]))
+            by_index.scatter_(3, indices[:, None, None, :].expand(weights.shape), weights)
+        self.observe(state, alive, by_index)
+
     def scores(self, state: Any, alive: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
@@ -151,6 +172,22 @@ class EvictionPolicy:
         order = torch.sort(key, dim=1, stable=True).indices  # [N, T]
         first = torch.arange(alive.shape[1], device=alive.device)[None, :] < excess[:, None]
         return torch.zeros_like(alive).scatter_(1, order, first)
+
+    def choose_one_victim_each(
+        self, state: Any, alive: torch.Tensor, live_indices: torch.Tensor, budget: int
+    ) -> torch.Tensor | None:
+        """Decode fast path of ``choose_victims`` when every table holds L = budget + 1 live
+        tokens, ``live_indices`` [N, L] (each table's live tokens in logical order): the logical
+        index of each table's victim, [N]. None when the policy protects tokens other than by
+        the shared rule (then use ``choose_victims``)."""
+        if type(self).protected is not EvictionPolicy.protected:
+            return None
+        width = live_indices.shape[1]
+        first, end = self.sink_tokens, width - self.recent_window(budget)  # candidate columns
+        key = self.scores(state, alive).gather(1, live_indices[:, first:end])  # [N, end - first]
+        # argmin returns the first minimum: the older token on a tie, as choose_victims.
+        column = key.float().argmin(dim=1, keepdim=True) + first  # [N, 1]
+        return live_indices.gather(1, column)[:, 0]
 
 
 class StreamingLLM(EvictionPolicy):
@@ -220,6 +257,13 @@ class H2O(EvictionPolicy):
 
     def observe(self, state: LogicalScores, alive: torch.Tensor, weights: torch.Tensor) -> None:
         state.at(alive.shape[1], alive.device).add_(weights.sum(dim=(1, 2)).float())
+
+    def observe_columns(
+        self, state: LogicalScores, alive: torch.Tensor, weights: torch.Tensor, indices
+    ) -> None:
+        # The same sums, added where the columns belong (no [N, heads, T_q, T] scatter).
+        received = weights.sum(dim=(1, 2)).float()  # [N, L]
+        state.at(alive.shape[1], alive.device).scatter_add_(1, indices, received)
 
     def scores(self, state: LogicalScores, alive: torch.Tensor) -> torch.Tensor:
         return state.at(alive.shape[1], alive.device)

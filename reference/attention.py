@@ -88,11 +88,13 @@ def check_attention_args(
         device=query.device,
     )
     num_slots = key_cache.shape[0] * key_cache.shape[1]
-    if slots.numel() and (int(slots.min()) < -1 or int(slots.max()) >= num_slots):
-        raise SlotOutOfRangeError(
-            f"slots holds values in [{int(slots.min())}, {int(slots.max())}], expected -1 "
-            f"(padding) or 0 <= slot < {num_slots}"
-        )
+    if slots.numel():
+        lowest, highest = (int(bound) for bound in torch.aminmax(slots))
+        if lowest < -1 or highest >= num_slots:
+            raise SlotOutOfRangeError(
+                f"slots holds values in [{lowest}, {highest}], expected -1 (padding) or "
+                f"0 <= slot < {num_slots}"
+            )
 
 
 def paged_attention(

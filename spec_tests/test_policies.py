@@ -11,6 +11,7 @@ with evicted gaps.
 
 from __future__ import annotations
 
+import copy
 from collections import Counter, defaultdict
 
 import pytest
@@ -550,3 +551,40 @@ def test_a_batch_of_tables_decides_as_each_table_would_alone(name, data):
         own = policy.choose_victims(alone[row], alive[row : row + 1], [budgets[row]])[0]
         assert torch.equal(chosen[row], own), row
         assert int(chosen[row].sum()) == max(int(alive[row].sum()) - budgets[row], 0)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@given(data=st.data())
+def test_decode_fast_paths_decide_as_the_general_methods(name, data):
+    """The decode step's shortcuts are the general rule, not an approximation: weights
+    observed over the attention view's columns (``observe_columns``, also when only the first W
+    columns come, as in a prefill chunk) leave the state that ``observe`` leaves with the same
+    weights by logical index, and ``choose_one_victim_each`` (every table one over one budget)
+    picks exactly the token ``choose_victims`` picks."""
+    by_column = POLICIES[name](data)
+    by_index = copy.deepcopy(by_column)  # the same policy, with its own state below
+    num_tables = data.draw(st.integers(1, 4), label="num_tables")
+    budget = data.draw(st.integers(by_column.min_budget(), by_column.min_budget() + 12))
+    num_tokens = data.draw(st.integers(budget + 1, budget + 20), label="num_tokens")
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    alive = torch.zeros(num_tables, num_tokens, dtype=torch.bool)
+    for row in range(num_tables):  # budget + 1 live tokens in each table, gaps of its own
+        keep = data.draw(st.permutations(range(num_tokens)), label="order")[: budget + 1]
+        alive[row, keep] = True
+    columns = alive.nonzero()[:, 1].view(num_tables, budget + 1)  # [N, L]: the view's indices
+    states = by_column.init_state(num_tables), by_index.init_state(num_tables)
+    for _ in range(data.draw(st.integers(1, 3), label="steps")):
+        width = data.draw(st.integers(1, budget + 1), label="width")
+        heads, queries = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 4))
+        weights = torch.rand(num_tables, heads, queries, width, generator=gen).softmax(-1)
+        scattered = torch.zeros(num_tables, heads, queries, num_tokens)
+        scattered.scatter_(3, columns[:, None, None, :width].expand(weights.shape), weights)
+        by_column.observe_columns(states[0], alive, weights, columns[:, :width])
+        by_index.observe(states[1], alive, scattered)
+    victims = by_column.choose_one_victim_each(states[0], alive, columns, budget)
+    expected = by_index.choose_victims(states[1], alive, [budget] * num_tables)
+    if victims is None:  # the policy protects by a rule of its own: the general path serves
+        assert type(by_column).protected is not EvictionPolicy.protected
+        return
+    assert expected.sum(dim=1).tolist() == [1] * num_tables
+    assert victims.tolist() == expected.int().argmax(dim=1).tolist()

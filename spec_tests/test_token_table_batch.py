@@ -67,7 +67,9 @@ def test_batch_follows_the_reference_tables_through_random_operations(data):
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
 
     for _ in range(data.draw(st.integers(1, 8), label="steps")):
-        op = data.draw(st.sampled_from(["append", "append", "evict", "repack"]), label="op")
+        op = data.draw(
+            st.sampled_from(["append", "append", "evict", "evict_one_each", "repack"]), label="op"
+        )
         if op == "append":
             n = data.draw(st.integers(0, 5), label="n")
             key = torch.randn(num_tables, n, HEADS, DIM, generator=gen)
@@ -90,6 +92,14 @@ def test_batch_follows_the_reference_tables_through_random_operations(data):
                 victims[index, chosen] = True
                 table.evict(chosen, release=release)
             batch.evict(victims, release=release)
+        elif op == "evict_one_each":  # a decode step's eviction: one token from every table
+            if min(table.num_live for table in tables) == 0:
+                continue
+            release = data.draw(st.booleans(), label="release")
+            chosen = [data.draw(st.sampled_from(t.live_indices().tolist())) for t in tables]
+            for table, index in zip(tables, chosen, strict=True):
+                table.evict([index], release=release)
+            batch.evict_one_each(torch.tensor(chosen), release=release)
         else:
             index = data.draw(st.integers(0, num_tables - 1), label="table")
             plan = plan_repack(tables[index], force=True)
@@ -129,3 +139,22 @@ def test_bad_input_names_the_argument_and_changes_nothing():
     after_evict[0, 1] = False
     assert torch.equal(batch.alive, after_evict)
     assert list(pool.free_blocks) == before[2]
+
+
+@pytest.mark.parametrize("release", [True, False])
+def test_evict_one_each_refuses_dead_or_missing_tokens_and_changes_nothing(release):
+    pool = BlockPool(8, 2, HEADS, DIM)
+    batch = TokenTableBatch(2, 2)
+    batch.append(pool, torch.zeros(2, 3, HEADS, DIM), torch.zeros(2, 3, HEADS, DIM))
+    batch.evict_one_each(torch.tensor([1, 2]), release=release)
+    before = (batch.slots.clone(), batch.alive.clone(), batch.num_live.copy())
+    before += ([list(free) for free in batch.free_slots],)
+    with pytest.raises(DeadTokenError, match=r"tables \[0\]"):
+        batch.evict_one_each(torch.tensor([1, 0]), release=release)  # table 0's token 1 is dead
+    with pytest.raises(InvalidArgumentError, match=r"indices must be logical indices in \[0, 3\)"):
+        batch.evict_one_each(torch.tensor([0, 3]), release=release)
+    with pytest.raises(InvalidArgumentError, match="indices"):
+        batch.evict_one_each(torch.tensor([0]), release=release)  # one index per table
+    after = (batch.slots, batch.alive, batch.num_live, [list(free) for free in batch.free_slots])
+    assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
+    assert after[2:] == before[2:]

@@ -133,16 +133,22 @@ def kvstack_attention(
     # A policy that observes attention weights gets them OBSERVE_CHUNK queries at a time, so a
     # long prefill never holds the whole [tables, heads, T_q, T_k] weights at once; it evicts
     # only after the last chunk, so observing in parts decides exactly as observing at once.
+    # Each chunk reads only the view's columns its queries can see (the view lists each table's
+    # live tokens in logical order first), so its weights are no wider than the causal triangle.
     outs = []
     chunk = OBSERVE_CHUNK if want_weights else t_q
     for start in range(0, t_q, chunk):
         end = min(start + chunk, t_q)
+        width = slots.shape[1]
+        if end < t_q:
+            last = query_positions[:, end - 1 : end]  # [N, 1]: the chunk's last query
+            width = int(((key_positions <= last) & (slots >= 0)).sum(dim=1).max())
         result = attention(
             query_bthd[:, start:end],
             key_cache,
             value_cache,
-            slots,
-            key_positions,
+            slots[:, :width],
+            key_positions[:, :width],
             query_positions[:, start:end],
             scale=scaling,
             window=window,

@@ -130,22 +130,12 @@ class PagedLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ what attention reads
     def attention_view(self):
         """(key_cache, value_cache, slots [N, T_k], positions [N, T_k]) with -1 slot padding,
-        where N = B * groups is the number of tables. Remembers the view's logical indices for
-        ``weights_by_index``."""
+        where N = B * groups is the number of tables. Remembers the view's logical indices
+        (``view_indices`` [N, T_k]) for the policy, which observes weights over these columns."""
         indices, slots = self.batch.live_view()
         self.view_indices = indices
         # Causality is by logical index (arrival order), which is what transformers' masks use.
         return self.pool.key, self.pool.value, slots, indices
-
-    def weights_by_index(self, weights: torch.Tensor) -> torch.Tensor:
-        """Attention weights over the last view's columns [N, H, T_q, L] -> by logical index
-        [N, H, T_q, T] (0 at dead tokens), what policies observe."""
-        indices = self.view_indices  # [N, L]
-        tables, width = indices.shape
-        if width == self.batch.num_tokens and self.batch.num_live == [width] * tables:
-            return weights  # every token live: the view is already in logical order
-        by_index = weights.new_zeros((*weights.shape[:3], self.batch.num_tokens))
-        return by_index.scatter_(3, indices[:, None, None, :].expand(weights.shape), weights)
 
     def split_query(self, query: torch.Tensor) -> torch.Tensor:
         """[B, T_q, H_q, D] -> [B * groups, T_q, H_q / groups, D]: each table's query heads."""
@@ -189,7 +179,7 @@ class PagedLayer(CacheLayerMixin):
 
     def observe_attention(self, weights: torch.Tensor) -> None:
         """Called with the attention weights of each chunk of the step's queries ([N, H', T_c,
-        T_k] over the view's columns) when ``wants_attention_weights``."""
+        W] over the view's first W columns) when ``wants_attention_weights``."""
 
     def after_attention(self) -> None:
         """Called once after each step's attention; PagedCache keeps everything."""

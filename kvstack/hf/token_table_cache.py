@@ -68,21 +68,34 @@ class TokenTableLayer(PagedLayer):
         self.budgets = [self.cache.budget_for(live) for live in self.batch.num_live]
 
     def observe_attention(self, weights: torch.Tensor) -> None:
-        """Hand one chunk of this step's attention ([N, heads, T_c, L] over the view's
+        """Hand one chunk of this step's attention ([N, heads, T_c, W] over the view's first W
         columns) to the policy."""
         if not self.budgets:
             self._start()
-        self.policy.observe(self.state, self.batch.alive, self.weights_by_index(weights))
+        columns = self.view_indices[:, : weights.shape[-1]]  # [N, W]
+        self.policy.observe_columns(self.state, self.batch.alive, weights, columns)
 
     def after_attention(self) -> None:
         """Evict down to the budget after this step's attention."""
         batch = self.batch
         if not self.budgets:
             self._start()
-        if all(live <= budget for live, budget in zip(batch.num_live, self.budgets, strict=True)):
+        excess = [live - budget for live, budget in zip(batch.num_live, self.budgets, strict=True)]
+        if max(excess) <= 0:
             return
-        victims = self.policy.choose_victims(self.state, batch.alive, self.budgets)
-        evicted = batch.evict(victims, release=self.cache.reclaim)
+        victims = None
+        if min(excess) == max(excess) == 1 and min(self.budgets) == max(self.budgets):
+            # A decode step: every table one over the same budget, so the attention view
+            # holds each table's live tokens in order; pick and evict one token per table.
+            victims = self.policy.choose_one_victim_each(
+                self.state, batch.alive, self.view_indices, self.budgets[0]
+            )
+        if victims is not None:
+            batch.evict_one_each(victims, release=self.cache.reclaim)
+            evicted = [1] * batch.num_tables
+        else:
+            mask = self.policy.choose_victims(self.state, batch.alive, self.budgets)
+            evicted = batch.evict(mask, release=self.cache.reclaim)
         if self.cache.reclaim:  # a table that just lost tokens may now be worth repacking
             for index, count in enumerate(evicted):
                 if count:
