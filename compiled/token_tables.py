@@ -163,10 +163,10 @@ class TokenTableBatch:
         check_tensor(
             "indices", indices, shape=(self.num_tables,), dtypes=(torch.int64,), device=self.device
         )
-        lowest, highest = (int(bound) for bound in torch.aminmax(indices))
-        if lowest < 0 or highest >= self.num_tokens:
+        wanted = indices.tolist()  # one sync; [N] ints
+        if min(wanted) < 0 or max(wanted) >= self.num_tokens:
             raise InvalidArgumentError(
-                f"indices must be logical indices in [0, {self.num_tokens}), got {indices.tolist()}"
+                f"indices must be logical indices in [0, {self.num_tokens}), got {wanted}"
             )
         columns = indices[:, None]  # [N, 1]
         slots = self.slots.gather(1, columns)  # [N, 1]
@@ -177,15 +177,16 @@ class TokenTableBatch:
             dead = [i for i, slot in enumerate(released) if slot == -1]
             raise DeadTokenError(
                 f"indices names tokens that are not live: tables {dead}, indices "
-                f"{indices.tolist()} of {self.num_tokens} tokens"
+                f"{wanted} of {self.num_tokens} tokens"
             )
-        self._alive[:, : self.num_tokens].scatter_(1, columns, False)
+        # Columns < num_tokens, so the capacity buffers can be written without slicing them.
+        self._alive.scatter_(1, columns, False)
         for index, slot in enumerate(released):
             self.num_live[index] -= 1
             if release:
                 bisect.insort(self.free_slots[index], slot)
         if release:
-            self._slots[:, : self.num_tokens].scatter_(1, columns, -1)
+            self._slots.scatter_(1, columns, -1)
 
     def evict(self, victims: torch.Tensor, *, release: bool = True) -> list[int]:
         """Mark the tokens of ``victims`` ([N, T] bool) dead. ``release=True`` returns their

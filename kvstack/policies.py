@@ -184,10 +184,11 @@ class EvictionPolicy:
             return None
         width = live_indices.shape[1]
         first, end = self.sink_tokens, width - self.recent_window(budget)  # candidate columns
-        key = self.scores(state, alive).gather(1, live_indices[:, first:end])  # [N, end - first]
+        candidates = live_indices[:, first:end]  # [N, end - first]
+        key = self.scores(state, alive).gather(1, candidates)
         # argmin returns the first minimum: the older token on a tie, as choose_victims.
-        column = key.float().argmin(dim=1, keepdim=True) + first  # [N, 1]
-        return live_indices.gather(1, column)[:, 0]
+        column = key.float().argmin(dim=1, keepdim=True)  # [N, 1]
+        return candidates.gather(1, column)[:, 0]
 
 
 class StreamingLLM(EvictionPolicy):

@@ -108,11 +108,18 @@ def paged_attention(
     scale: float | None = None,
     window: int | None = None,
     return_weights: bool = False,
+    check: bool = True,
 ) -> AttentionOutput:
-    """Attention of each query over the K/V rows its sequence's table names (see module doc)."""
-    check_attention_args(
-        query, key_cache, value_cache, slots, key_positions, query_positions, window
-    )
+    """Attention of each query over the K/V rows its sequence's table names (see module doc).
+
+    ``check=False`` skips ``check_attention_args``: for a caller that built the arguments from
+    its own token tables (the HF attention function), where the checks would cost a decode step
+    more than the attention itself. Attention changes no state, so a bad argument there still
+    raises from torch without corrupting anything."""
+    if check:
+        check_attention_args(
+            query, key_cache, value_cache, slots, key_positions, query_positions, window
+        )
     batch, t_q, h_q, head_dim = query.shape
     h_kv = key_cache.shape[2]
     group = h_q // h_kv

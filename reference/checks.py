@@ -50,7 +50,9 @@ def check_tensor(
         raise InvalidDTypeError(
             f"{name} must have dtype in {[str(d) for d in dtypes]}, got {value.dtype}"
         )
-    if device is not None and value.device != torch.device(device):
+    if device is not None and value.device != (
+        device if isinstance(device, torch.device) else torch.device(device)
+    ):
         raise InvalidArgumentError(f"{name} must be on device {device}, got {value.device}")
     return value
 

@@ -227,3 +227,15 @@ def monkeypatch_chunk():
     compiled_attention.QUERY_CHUNK = 3
     yield
     compiled_attention.QUERY_CHUNK = saved
+
+
+@pytest.mark.parametrize("backend", ["reference", "compiled"])
+@given(case=attention_cases())
+def test_paged_attention_without_checks_computes_the_same(backend, case):
+    """check=False (the HF attention's trusted path) skips only the argument checks."""
+    attention = ops.get("paged_attention", backend)
+    kwargs = {"return_weights": True, **case.kwargs()}
+    checked = attention(*case.args(), **kwargs)
+    unchecked = attention(*case.args(), check=False, **kwargs)
+    for a, b in zip(checked, unchecked, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)

@@ -31,7 +31,7 @@ from kvstack import ops
 from kvstack.errors import KVStackError
 
 ATTENTION_NAME = "kvstack"
-OBSERVE_CHUNK = 256  # queries per attention call when an eviction policy observes the weights
+OBSERVE_CHUNK = 128  # queries per attention call when an eviction policy observes the weights
 
 
 @dataclass
@@ -53,6 +53,23 @@ def set_backend(backend: str | None) -> None:
     global _BACKEND
     ops.get("paged_attention", backend)  # raises with the reason if the backend cannot run here
     _BACKEND = backend
+
+
+# (mask, query length, tokens seen) of the last step whose new tokens were all real: every layer
+# of a forward gets the same 2D mask, so one check (and one device sync) serves them all.
+_ALL_REAL: tuple[torch.Tensor, int, int] | None = None
+
+
+def _new_tokens_all_real(attention_mask: torch.Tensor, t_q: int, seen: int) -> bool:
+    """Whether the mask's last ``t_q`` columns are all real tokens (no padding to evict)."""
+    global _ALL_REAL
+    memo = _ALL_REAL
+    if memo is not None and memo[0] is attention_mask and memo[1:] == (t_q, seen):
+        return True
+    if not bool(attention_mask[:, -t_q:].all()):
+        return False
+    _ALL_REAL = (attention_mask, t_q, seen)
+    return True
 
 
 def kvstack_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any):
@@ -103,7 +120,8 @@ def kvstack_attention(
             )
         STEP.layer, STEP.key = None, None  # one update, one attention call
         if attention_mask is not None and attention_mask.dim() == 2:
-            layer.evict_padding(attention_mask[:, -t_q:])
+            if not _new_tokens_all_real(attention_mask, t_q, layer.get_seq_length()):
+                layer.evict_padding(attention_mask[:, -t_q:])
         key_cache, value_cache, slots, key_positions = layer.attention_view()
         query_bthd = layer.split_query(query_bthd)  # one row per token table
         query_positions = layer.query_positions(t_q)
@@ -153,6 +171,7 @@ def kvstack_attention(
             scale=scaling,
             window=window,
             return_weights=want_weights,
+            check=False,  # built above from the layer's own tables and pool
         )
         if want_weights:
             layer.observe_attention(result.weights)

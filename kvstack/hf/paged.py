@@ -42,6 +42,8 @@ class PagedLayer(CacheLayerMixin):
 
     is_compileable = False
     is_croppable = False
+    # Whether the layer can only run under the "kvstack" attention (a layer that evicts).
+    needs_kvstack_attention = False
 
     def __init__(
         self, cache: PagedCache, layer_idx: int, block_size: int, window: int | None = None
@@ -78,6 +80,7 @@ class PagedLayer(CacheLayerMixin):
         )
         self.pool.free([self.pool.allocate(1)[0]])  # a valid empty pool; grown on demand
         self.batch = TokenTableBatch(batch * self.groups, self.block_size, device=self.device)
+        self._arange = torch.arange(0, device=self.device)  # 0, 1, 2, ...: query positions
         self.is_initialized = True
 
     def per_head_tables(self) -> bool:
@@ -98,6 +101,14 @@ class PagedLayer(CacheLayerMixin):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the step's K/V ([B, H_kv, T, D]); return what the attention function needs."""
+        kvstack_attention = self.cache.uses_kvstack_attention()  # one config read per layer step
+        if self.needs_kvstack_attention and not kvstack_attention:
+            raise KVStackError(
+                f"{type(self.cache).__name__} evicts tokens, which needs the kvstack attention "
+                f"implementation (the model uses {self.cache.config._attn_implementation!r}); call "
+                "model.set_attn_implementation('kvstack') after `import kvstack.hf`, or load with "
+                "from_pretrained(..., attn_implementation='kvstack')"
+            )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         batch, _, new_tokens, head_dim = key_states.shape
@@ -114,7 +125,7 @@ class PagedLayer(CacheLayerMixin):
             key_states.reshape(shape).transpose(1, 2),
             value_states.reshape(shape).transpose(1, 2),
         )
-        if self.cache.uses_kvstack_attention():
+        if kvstack_attention:
             kv_attention.STEP.layer, kv_attention.STEP.key = self, key_states
             return key_states, value_states
         return self.gather_contiguous()
@@ -160,10 +171,9 @@ class PagedLayer(CacheLayerMixin):
     def query_positions(self, query_length: int) -> torch.Tensor:
         """Logical indices of the last ``query_length`` tokens of each table: [N, T_q]."""
         seen = self.batch.num_tokens
-        start = seen - query_length
-        return torch.arange(start, seen, device=self.device).expand(
-            self.batch.num_tables, query_length
-        )
+        if self._arange.shape[0] < seen:  # grown by doubling: a decode step slices, not allocates
+            self._arange = torch.arange(max(seen, 2 * self._arange.shape[0]), device=self.device)
+        return self._arange[seen - query_length : seen].expand(self.batch.num_tables, query_length)
 
     def evict_padding(self, new_token_mask: torch.Tensor) -> None:
         """Evict this step's padding tokens (mask [B, T_q] False) so attention never reads them."""

@@ -27,13 +27,15 @@ from typing import Any
 import torch
 
 from kvstack import ops
-from kvstack.errors import InvalidArgumentError, KVStackError
+from kvstack.errors import InvalidArgumentError
 from kvstack.hf.paged import PagedCache, PagedLayer
 from kvstack.policies import EvictionPolicy
 from kvstack.reference.repack import DEFAULT_WASTE_THRESHOLD, execute_repack, plan_repack
 
 
 class TokenTableLayer(PagedLayer):
+    needs_kvstack_attention = True  # only the kvstack attention reads through evicted tables
+
     def __init__(
         self, cache: TokenTableCache, layer_idx: int, block_size: int, window: int | None
     ) -> None:
@@ -49,18 +51,6 @@ class TokenTableLayer(PagedLayer):
 
     def wants_attention_weights(self) -> bool:
         return self.policy.needs_attention_weights
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ):
-        if not self.cache.uses_kvstack_attention():
-            raise KVStackError(
-                f"{type(self.cache).__name__} evicts tokens, which needs the kvstack attention "
-                f"implementation (the model uses {self.cache.config._attn_implementation!r}); call "
-                "model.set_attn_implementation('kvstack') after `import kvstack.hf`, or load with "
-                "from_pretrained(..., attn_implementation='kvstack')"
-            )
-        return super().update(key_states, value_states, *args, **kwargs)
 
     def _start(self) -> None:
         # The first step's real tokens (the prompt's, padding evicted) fix each table's budget.
