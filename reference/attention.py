@@ -114,8 +114,8 @@ def paged_attention(
 
     ``check=False`` skips ``check_attention_args``: for a caller that built the arguments from
     its own token tables (the HF attention function), where the checks would cost a decode step
-    more than the attention itself. Attention changes no state, so a bad argument there still
-    raises from torch without corrupting anything."""
+    more than the attention itself. Attention changes no state, so a bad argument there fails
+    inside torch (an index error; on CUDA a device assert) without corrupting any table."""
     if check:
         check_attention_args(
             query, key_cache, value_cache, slots, key_positions, query_positions, window
