@@ -101,15 +101,24 @@ class TokenTableBatch:
         return 1.0 - self.num_live[index] / (blocks * self.block_size) if blocks else 0.0
 
     # ----------------------------------------------------------------- mutations
-    def append(self, pool: BlockPool, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    def append(
+        self, pool: BlockPool, key: torch.Tensor, value: torch.Tensor, *, check: bool = True
+    ) -> torch.Tensor:
         """Append n tokens to every table: ``key``/``value`` [N, n, num_kv_heads, head_dim].
-        Returns their slots [N, n]. All tables or none: ``PoolExhausted`` changes nothing."""
-        self._check_pool(pool)
-        shape = (self.num_tables, None, pool.num_kv_heads, pool.head_dim)
-        check_tensor("key", key, shape=shape, dtypes=FLOAT_DTYPES, device=pool.key.device)
+        Returns their slots [N, n]. All tables or none: ``PoolExhausted`` changes nothing.
+
+        ``check=False`` skips the pool and tensor checks, for a caller that holds this pool and
+        shaped ``key``/``value`` itself (the HF cache layer, on every decode step); the pool
+        capacity is checked either way, so a full pool still changes nothing."""
+        if check:
+            self._check_pool(pool)
+            shape = (self.num_tables, None, pool.num_kv_heads, pool.head_dim)
+            check_tensor("key", key, shape=shape, dtypes=FLOAT_DTYPES, device=pool.key.device)
+            value_shape = (self.num_tables, key.shape[1], pool.num_kv_heads, pool.head_dim)
+            check_tensor(
+                "value", value, shape=value_shape, dtypes=FLOAT_DTYPES, device=pool.key.device
+            )
         n = key.shape[1]
-        value_shape = (self.num_tables, n, pool.num_kv_heads, pool.head_dim)
-        check_tensor("value", value, shape=value_shape, dtypes=FLOAT_DTYPES, device=pool.key.device)
         if not pool.can_allocate(self.blocks_needed(n)):
             raise PoolExhausted(
                 f"appending {n} tokens to {self.num_tables} tables needs "

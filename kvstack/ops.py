@@ -36,6 +36,7 @@ class Operation:
 # name -> (reference "module:function", compiled "module:function")
 _SPEC = {
     "paged_attention": ("attention", "attention"),
+    "decode_attention": ("attention", "attention"),
     "merge_attention_states": ("merge", "merge"),
     "multi_segment_attention": ("merge", "merge"),
     "copy_slots": ("repack", "repack"),

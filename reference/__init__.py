@@ -12,7 +12,7 @@ Plain PyTorch, one module per mechanism, each stating its invariants in its docs
 Nothing here imports from kvstack.compiled or kvstack.cuda_kernels.
 """
 
-from kvstack.reference.attention import AttentionOutput, paged_attention
+from kvstack.reference.attention import AttentionOutput, decode_attention, paged_attention
 from kvstack.reference.block_pool import BlockPool
 from kvstack.reference.merge import merge_attention_states, multi_segment_attention
 from kvstack.reference.repack import RepackPlan, copy_slots, execute_repack, plan_repack
@@ -26,6 +26,7 @@ __all__ = [
     "TokenTable",
     "apply_rotary",
     "copy_slots",
+    "decode_attention",
     "execute_repack",
     "merge_attention_states",
     "multi_segment_attention",

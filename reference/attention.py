@@ -22,6 +22,9 @@ computed in float32:
 A query that sees no key has lse = -inf and out = 0: the identity of ``merge.py``.
 Returns ``out`` [B, T_q, H_q, D] (query's dtype), ``lse`` [B, T_q, H_q] float32, and when asked
 the attention weights [B, H_q, T_q, T_k] float32 (0 where masked) for eviction policies.
+
+``decode_attention`` is the decode step's special case: one query per sequence over a live
+view with no padding, where every listed slot is visible (no positions, no window).
 """
 
 from __future__ import annotations
@@ -151,3 +154,62 @@ def paged_attention(
                 probs
             )
     return AttentionOutput(out.to(query.dtype), lse, weights if return_weights else None)
+
+
+def check_decode_args(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """``check_attention_args`` for ``decode_attention``: one query per sequence, and at least
+    one slot per row, none of them padding."""
+    check_tensor("query", query, ndim=4, dtypes=FLOAT_DTYPES)
+    if query.shape[1] != 1:
+        raise InvalidArgumentError(
+            f"query has {query.shape[1]} tokens per sequence, expected 1 for decode_attention "
+            "(use paged_attention for prefill chunks)"
+        )
+    check_tensor("slots", slots, ndim=2, dtypes=INDEX_DTYPES, device=query.device)
+    if slots.shape[1] == 0:
+        raise InvalidArgumentError(
+            f"slots has shape {tuple(slots.shape)}, expected at least one slot per sequence"
+        )
+    positions = torch.zeros_like(slots)  # all visible: the rule decode_attention computes
+    check_attention_args(query, key_cache, value_cache, slots, positions, positions[:, :1])
+    if int(slots.min()) < 0:
+        raise SlotOutOfRangeError(
+            "slots holds -1 (padding), expected only live slots: decode_attention reads every "
+            "slot it is given (use paged_attention for padded views)"
+        )
+
+
+def decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    scale: float | None = None,
+    return_weights: bool = False,
+    check: bool = True,
+) -> AttentionOutput:
+    """The decode step over a live view: each sequence's one query [B, 1, H_q, D] attends to
+    every slot its row of ``slots`` [B, T_k] names.
+
+    A token table's live view (``TokenTable.live_slots``) already says what the newest token may
+    read: causality and eviction are in the slot list itself, so no positions and no mask are
+    needed. This is ``paged_attention`` with every key visible (all key positions <= the
+    query's, no window, no padding), and is specified as exactly that call. ``check=False`` as
+    for ``paged_attention``."""
+    if check:
+        check_decode_args(query, key_cache, value_cache, slots)
+    positions = torch.zeros_like(slots)  # [B, T_k]: every key at position 0 <= the query's
+    return paged_attention(
+        query,
+        key_cache,
+        value_cache,
+        slots,
+        positions,
+        positions[:, :1],
+        scale=scale,
+        return_weights=return_weights,
+        check=False,
+    )

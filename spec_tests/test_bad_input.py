@@ -527,6 +527,51 @@ def test_paged_attention_slot_past_the_pool(pool, table, backend) -> None:
     assert_unchanged(before, pool, table)
 
 
+BAD_DECODE = {
+    # case: (replacements, error, words the message must contain)
+    "two-queries": (
+        dict(query=torch.randn(1, 2, 2 * NUM_KV_HEADS, HEAD_DIM)),
+        InvalidArgumentError,
+        ["query", "2 tokens", "expected 1", "paged_attention"],
+    ),
+    "padding-slot": (
+        dict(slots=torch.tensor([[0, 1, -1, 3, 4]])),
+        SlotOutOfRangeError,
+        ["slots", "-1 (padding)", "paged_attention"],
+    ),
+    "no-slots": (
+        dict(slots=torch.zeros((1, 0), dtype=torch.int64)),
+        InvalidArgumentError,
+        ["slots", "(1, 0)", "at least one slot"],
+    ),
+    "head_dim-mismatch": (
+        dict(query=torch.randn(1, 1, 2 * NUM_KV_HEADS, HEAD_DIM // 2)),
+        InvalidArgumentError,
+        ["key_cache", str(HEAD_DIM // 2)],
+    ),
+    "slot-past-the-pool": (
+        dict(slots=torch.tensor([[0, 1, NUM_SLOTS, 3, 4]])),
+        SlotOutOfRangeError,
+        ["slots", str(NUM_SLOTS)],
+    ),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(BAD_DECODE))
+def test_decode_attention_bad_input(pool, table, backend, case) -> None:
+    decode = backend_op("decode_attention", backend)
+    replace, error, words = BAD_DECODE[case]
+    args = attention_args(pool, table, **replace)
+    args = {name: args[name] for name in ("query", "key_cache", "value_cache", "slots")}
+    inputs = {name: tensor.clone() for name, tensor in args.items()}
+    before = snapshot(pool, table)
+    with refused(error, *words):
+        decode(*args.values())
+    assert_unchanged(before, pool, table)
+    assert all(torch.equal(inputs[name], args[name]) for name in args)
+
+
 # ----------------------------------------------------------------------------- merge
 def _states(*shapes: tuple[int, ...]) -> list[torch.Tensor]:
     return [torch.randn(shape) for shape in shapes]

@@ -51,6 +51,26 @@ def compare_attention(fast, ref, dtype):
 
 
 @st.composite
+def decode_inputs(draw):
+    """A decode step over live views: one query per sequence, every row the same number of
+    live slots (scattered over the pool), no padding."""
+    batch, h_kv = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    group, head_dim = draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([8, 16, 32]))
+    block_size, length = draw(st.sampled_from([1, 3, 16, 64])), draw(st.integers(1, 80))
+    dtype = draw(dtypes)
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    num_blocks = -(-batch * length // block_size) + 1
+    shape = (num_blocks, block_size, h_kv, head_dim)
+    key_cache = torch.randn(shape, generator=gen).to(dtype)
+    value_cache = torch.randn(shape, generator=gen).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[: batch * length]
+    slots = slots.view(batch, length).to(draw(st.sampled_from([torch.int64, torch.int32])))
+    query = torch.randn((batch, 1, h_kv * group, head_dim), generator=gen).to(dtype)
+    scale = draw(st.none() | st.floats(0.05, 2.0))
+    return (query, key_cache, value_cache, slots), {"scale": scale, "return_weights": True}, dtype
+
+
+@st.composite
 def merge_inputs(draw):
     count = draw(st.integers(1, 4))
     lead = draw(st.lists(st.integers(1, 3), min_size=1, max_size=2))
@@ -142,6 +162,7 @@ def call(fn, args, kwargs):
 
 CASES = {
     "paged_attention": (attention_inputs(), call, compare_attention),
+    "decode_attention": (decode_inputs(), call, compare_attention),
     "merge_attention_states": (merge_inputs(), call, compare_merge),
     "multi_segment_attention": (multi_segment_inputs(), call, compare_multi_segment),
     "copy_slots": (copy_slots_inputs(), run_copy_slots, compare_copy_slots),
@@ -239,3 +260,22 @@ def test_paged_attention_without_checks_computes_the_same(backend, case):
     unchecked = attention(*case.args(), check=False, **kwargs)
     for a, b in zip(checked, unchecked, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+@given(case=attention_cases())
+def test_decode_attention_is_paged_attention_over_a_live_view(case):
+    """On a decode step whose keys are all visible (positions before the query, no window, no
+    padding), decode_attention gives paged_attention's out, lse and weights, on every backend."""
+    rows = (case.slots >= 0).all(dim=1)  # sequences without padding
+    if case.slots.shape[1] == 0 or not bool(rows.any()):
+        return
+    query, slots = case.query[rows, -1:], case.slots[rows]
+    key_positions = case.key_positions[rows]
+    query_positions = key_positions.max(dim=1, keepdim=True).values  # sees every key
+    args = (query, case.key_cache, case.value_cache)
+    expected = ops.get("paged_attention", "reference")(
+        *args, slots, key_positions, query_positions, return_weights=True
+    )
+    for backend in ops.operations()["decode_attention"].backends():
+        decode = ops.get("decode_attention", backend)
+        compare_attention(decode(*args, slots, return_weights=True), expected, query.dtype)

@@ -181,6 +181,17 @@ def test_cache_built_for_another_model_is_refused():
         generate(deeper, prompt(), PagedCache(model.config))
 
 
+def test_kv_on_another_device_is_refused_and_changes_nothing():
+    model = tiny_llama()
+    for cache in (PagedCache(model.config), TokenTableCache(model.config, H2O(), budget=16)):
+        generate(model, prompt(), cache, max_new_tokens=2)
+        before = cache.stats()
+        key = torch.zeros(1, TINY["num_key_value_heads"], 1, 16, device="meta")
+        with pytest.raises(KVStackError, match="K/V on meta.*pool is on cpu"):
+            cache.update(key, key, 0)
+        assert cache.stats() == before
+
+
 def test_policy_must_be_a_policy():
     with pytest.raises(InvalidArgumentError, match="policy must be an EvictionPolicy"):
         TokenTableCache(tiny_llama().config, "h2o", budget=16)

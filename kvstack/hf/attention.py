@@ -124,9 +124,25 @@ def kvstack_attention(
                 layer.evict_padding(attention_mask[:, -t_q:])
         key_cache, value_cache, slots, key_positions = layer.attention_view()
         query_bthd = layer.split_query(query_bthd)  # one row per token table
-        query_positions = layer.query_positions(t_q)
         want_weights = layer.wants_attention_weights()
         window = layer.window if layer.window is not None else window
+        if t_q == 1 and window is None and layer.view_is_dense:
+            # A decode step over views without padding: the newest token sees every live
+            # token, which decode_attention computes without positions or a mask.
+            result = ops.get("decode_attention", _BACKEND)(
+                query_bthd,
+                key_cache,
+                value_cache,
+                slots,
+                scale=scaling,
+                return_weights=want_weights,
+                check=False,  # built above from the layer's own tables and pool
+            )
+            if want_weights:
+                layer.observe_attention(result.weights)
+            layer.after_attention()
+            return layer.merge_output(result.out), None
+        query_positions = layer.query_positions(t_q)
     else:
         # No kvstack cache behind this call: plain causal attention over the given K/V.
         key_cache, value_cache, slots = _contiguous_as_table(key, value)

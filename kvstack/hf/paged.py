@@ -111,6 +111,12 @@ class PagedLayer(CacheLayerMixin):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if key_states.device != self.device or value_states.device != self.device:
+            raise KVStackError(
+                f"layer {self.layer_idx} got K/V on {key_states.device} and "
+                f"{value_states.device}, but its pool is on {self.device}; a cache stays on the "
+                "device of its first step (use a fresh cache after moving the model)"
+            )
         batch, _, new_tokens, head_dim = key_states.shape
         if batch != self.batch_size:
             raise InvalidArgumentError(
@@ -124,6 +130,7 @@ class PagedLayer(CacheLayerMixin):
             self.pool,
             key_states.reshape(shape).transpose(1, 2),
             value_states.reshape(shape).transpose(1, 2),
+            check=False,  # our pool; shapes from PagedCache.update's checked key_states
         )
         if kvstack_attention:
             kv_attention.STEP.layer, kv_attention.STEP.key = self, key_states
@@ -142,9 +149,12 @@ class PagedLayer(CacheLayerMixin):
     def attention_view(self):
         """(key_cache, value_cache, slots [N, T_k], positions [N, T_k]) with -1 slot padding,
         where N = B * groups is the number of tables. Remembers the view's logical indices
-        (``view_indices`` [N, T_k]) for the policy, which observes weights over these columns."""
+        (``view_indices`` [N, T_k]) for the policy, which observes weights over these columns,
+        and whether the view has no padding (``view_is_dense``)."""
         indices, slots = self.batch.live_view()
         self.view_indices = indices
+        # Tables with equal live counts give a view without -1 padding (``live_view``).
+        self.view_is_dense = min(self.batch.num_live) == max(self.batch.num_live)
         # Causality is by logical index (arrival order), which is what transformers' masks use.
         return self.pool.key, self.pool.value, slots, indices
 
