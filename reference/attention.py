@@ -201,14 +201,15 @@ def decode_attention(
     for ``paged_attention``."""
     if check:
         check_decode_args(query, key_cache, value_cache, slots)
-    positions = torch.zeros_like(slots)  # [B, T_k]: every key at position 0 <= the query's
-    return paged_attention(
+    key_positions = torch.zeros_like(slots)  # [B, T_k]: every key at position 0 ...
+    query_positions = torch.zeros((slots.shape[0], 1), dtype=slots.dtype, device=slots.device)
+    return paged_attention(  # ... visible to the query at position 0
         query,
         key_cache,
         value_cache,
         slots,
-        positions,
-        positions[:, :1],
+        key_positions,
+        query_positions,
         scale=scale,
         return_weights=return_weights,
         check=False,
