@@ -126,23 +126,10 @@ def kvstack_attention(
         query_bthd = layer.split_query(query_bthd)  # one row per token table
         want_weights = layer.wants_attention_weights()
         window = layer.window if layer.window is not None else window
-        if t_q == 1 and window is None and layer.view_is_dense:
-            # A decode step over views without padding: the newest token sees every live
-            # token, which decode_attention computes without positions or a mask.
-            result = ops.get("decode_attention", _BACKEND)(
-                query_bthd,
-                key_cache,
-                value_cache,
-                slots,
-                scale=scaling,
-                return_weights=want_weights,
-                check=False,  # built above from the layer's own tables and pool
-            )
-            if want_weights:
-                layer.observe_attention(result.weights)
-            layer.after_attention()
-            return layer.merge_output(result.out), None
-        query_positions = layer.query_positions(t_q)
+        # A decode step over views without padding: the newest token sees every live token,
+        # which decode_attention computes without positions or a mask.
+        dense_decode = t_q == 1 and window is None and layer.view_is_dense
+        query_positions = None if dense_decode else layer.query_positions(t_q)
     else:
         # No kvstack cache behind this call: plain causal attention over the given K/V.
         key_cache, value_cache, slots = _contiguous_as_table(key, value)
@@ -177,18 +164,29 @@ def kvstack_attention(
         if end < t_q:
             last = query_positions[:, end - 1 : end]  # [N, 1]: the chunk's last query
             width = int(((key_positions <= last) & (slots >= 0)).sum(dim=1).max())
-        result = attention(
-            query_bthd[:, start:end],
-            key_cache,
-            value_cache,
-            slots[:, :width],
-            key_positions[:, :width],
-            query_positions[:, start:end],
-            scale=scaling,
-            window=window,
-            return_weights=want_weights,
-            check=False,  # built above from the layer's own tables and pool
-        )
+        if dense_decode:  # one chunk of one query
+            result = ops.get("decode_attention", _BACKEND)(
+                query_bthd,
+                key_cache,
+                value_cache,
+                slots,
+                scale=scaling,
+                return_weights=want_weights,
+                check=False,  # built above from the layer's own tables and pool
+            )
+        else:
+            result = attention(
+                query_bthd[:, start:end],
+                key_cache,
+                value_cache,
+                slots[:, :width],
+                key_positions[:, :width],
+                query_positions[:, start:end],
+                scale=scaling,
+                window=window,
+                return_weights=want_weights,
+                check=False,  # built above from the layer's own tables and pool
+            )
         if want_weights:
             layer.observe_attention(result.weights)
         outs.append(result.out)
