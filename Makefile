@@ -1,6 +1,7 @@
 # Two commands on a fresh machine (Python 3.11, pip):
 #   make demo   install everything into .venv and run the main job
-#   make test   install everything into .venv, lint, and run the spec tests (what CI runs)
+#   make test   install everything into .venv, lint, run the spec tests and check that every
+#               README figure matches a results file that is not stale (what CI runs)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -12,7 +13,7 @@ OLDEST := $(VENV)/transformers-$(TRANSFORMERS_OLDEST)
 HF_TESTS := spec_tests/test_hf_paged.py spec_tests/test_hf_token_table_cache.py \
 	spec_tests/test_hf_smollm2.py spec_tests/test_hf_hybrid.py
 
-.PHONY: install demo test bench lint clean
+.PHONY: install demo test bench figures lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,9 +45,19 @@ test: install lint $(OLDEST)/.installed
 	$(BIN)/python -m pytest spec_tests -q -m "not slow and not gpu" --hypothesis-profile=$(HYPOTHESIS_PROFILE)
 	PYTHONPATH=$(OLDEST) $(BIN)/python -m pytest $(HF_TESTS) -q -m "not slow and not gpu" \
 		--hypothesis-profile=$(HYPOTHESIS_PROFILE)
+	$(BIN)/kvstack figures --check
 
+# The committed figures: each suite writes bench/results/SUITE.json (commit it), then the README
+# tables are regenerated from those files. One torch thread: the machines here have 2 shared
+# cores, and more threads than free cores make these small forwards slower, not faster.
 bench: install
-	$(BIN)/kvstack bench core --out bench_results/core
+	OMP_NUM_THREADS=1 $(BIN)/kvstack bench core --out bench_results/core
+	OMP_NUM_THREADS=1 $(BIN)/kvstack bench vtoken --out bench_results/vtoken
+	OMP_NUM_THREADS=1 $(BIN)/kvstack bench quality --out bench_results/quality
+	$(BIN)/kvstack figures
+
+figures: install
+	$(BIN)/kvstack figures
 
 clean:
 	rm -rf $(VENV) bench_results

@@ -1,365 +1,286 @@
-"""The core benchmark: decode attention and repack copy, each against a baseline of the same run.
+"""The core benchmark: the registered attention ops and the repack copy, against baselines of
+the same run.
 
-Measured in one run (``run_core``), medians of ``time.perf_counter`` over repeats, after warm-up
-calls so that torch.compile time is excluded:
+The measurements are the pytest-benchmark suite ``bench/test_core.py`` (workloads in its
+docstring and in ``workloads.py``); ``measure`` runs it with ``--benchmark-json`` and turns the
+medians into ratios. Every ratio compares two sides of one run on one workload:
 
-* decode attention over shuffled token tables (``workloads.build_decode``), per context:
-  ``paged_attention`` reference vs compiled (both through ``kvstack.ops``) vs
-  ``scaled_dot_product_attention`` on the same tokens laid out contiguously;
-* the copy of a forced repack after 50% random eviction (``workloads.build_repack``):
-  compiled ``copy_slots`` vs a plain contiguous copy of the same bytes.
+    paged_attention.compiled_over_reference         t_reference / t_compiled, context 4096  >= 10
+    paged_attention.compiled_over_contiguous_sdpa   t_compiled / t_sdpa, context 4096        <= 1.15
+        (SDPA reads the same tokens laid out contiguously: what differs is the gather through
+        the token table, and SDPA's fused kernel)
+    decode_attention.{several_kv_heads,one_kv_head}.compiled_over_reference             (record)
+    decode_attention.{several_kv_heads,one_kv_head}.compiled_over_contiguous_sdpa        <= 1.15
+    repack.bandwidth_fraction    (bytes/s of copy_slots) / (bytes/s of a plain copy)      >= 0.7
 
-Figures (flat name -> float, written to ``figures.json``), with targets:
-
-    decode_attention.compiled_over_reference      t_reference / t_compiled at 4096   >= 10
-    decode_attention.compiled_over_contiguous_sdpa t_compiled / t_sdpa at 4096        <= 1.15
-    repack.bandwidth_fraction                     (bytes/s copy_slots) / (bytes/s plain copy) >= 0.7
-
-plus the same ratios per context (suffix ``.ctx1024`` …) and absolute medians (``…_ms``) for the
-record. Absolute CPU times are not comparable between runs on a shared machine; the ratios are.
-Before timing, every implementation's output is checked against the reference, so a fast wrong
-answer cannot be reported.
+plus the same ratios per context (suffix ``.ctx1024`` ...) and the medians in ms for the record.
+Absolute CPU times are not comparable between runs on a shared machine; the ratios are.
 """
 
 from __future__ import annotations
 
 import json
-import platform
-import statistics
-import sys
-import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from datetime import datetime, timezone
+import os
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+from kvstack.bench.suite import OPS_CODE, REPO_ROOT, Figure, Measured, format_value, run_suite
+from kvstack.errors import KVStackError
 
-from kvstack import ops
-from kvstack.bench.reporting import cpu_name, meets_target
-from kvstack.bench.workloads import CORE_SHAPE, DecodeWorkload, Shape, build_decode, build_repack
-from kvstack.errors import InvalidArgumentError
-
-
-@dataclass(frozen=True)
-class CoreConfig:
-    shape: Shape
-    contexts: tuple[int, ...]
-    main_context: int  # the context the unsuffixed figures are taken at
-    repack_context: int
-    fast_repeats: int  # compiled, SDPA and both copies (interleaved, so noise hits each alike)
-    reference_repeats: Mapping[int, int]  # context -> repeats; the reference is slow
-    warmup: int
-    seed: int = 0
-
-
-FULL = CoreConfig(
-    shape=CORE_SHAPE,
-    contexts=(1024, 4096, 8192),
-    main_context=4096,
-    repack_context=4096,
-    fast_repeats=20,
-    reference_repeats={1024: 5, 4096: 3, 8192: 2},
-    warmup=2,
+NAME = "core"
+DEPENDS_ON = (
+    *OPS_CODE,
+    "bench/core.py",
+    "bench/test_core.py",
+    "bench/workloads.py",
 )
-# Tiny sizes so a test runs the whole pipeline (build, check, time, write) in seconds.
-QUICK = CoreConfig(
-    shape=Shape(batch=2, num_query_heads=4, num_kv_heads=2, head_dim=16),
-    contexts=(64, 128),
-    main_context=128,
-    repack_context=128,
-    fast_repeats=2,
-    reference_repeats={64: 2, 128: 2},
-    warmup=1,
-)
+BENCH_FILE = REPO_ROOT / "bench" / "test_core.py"
 
-# figure -> (comparison, target)
 TARGETS = {
-    "decode_attention.compiled_over_reference": (">=", 10.0),
-    "decode_attention.compiled_over_contiguous_sdpa": ("<=", 1.15),
+    "paged_attention.compiled_over_reference": (">=", 10.0),
+    "paged_attention.compiled_over_contiguous_sdpa": ("<=", 1.15),
+    "decode_attention.several_kv_heads.compiled_over_contiguous_sdpa": ("<=", 1.15),
+    "decode_attention.one_kv_head.compiled_over_contiguous_sdpa": ("<=", 1.15),
     "repack.bandwidth_fraction": (">=", 0.7),
 }
 
 
-# --------------------------------------------------------------------------- timing
-def interleaved_medians_ms(
-    fns: Mapping[str, Callable[[], object]],
-    repeats: int,
-    warmup: int = 0,
-    *,
-    sparse: Mapping[str, int] | None = None,
-) -> dict[str, float]:
-    """Median ms of each function, timed in ``repeats`` rounds of one call of each.
+def _run_pytest_benchmark(quick: bool, json_path: Path, log: Callable[[str], None]) -> dict:
+    import pytest
 
-    Interleaving means a burst of load from other processes on this shared machine slows every
-    implementation of a round alike, instead of biasing whichever happened to run then (a ratio
-    of two medians taken minutes apart can be off by an order of magnitude here).
-    ``sparse[name] = n`` calls a slow function in only n rounds, spread evenly over the run, and
-    skips it in warm-up (call it once yourself first). CPU ops are synchronous, so perf_counter
-    around the call is the op's time.
-    """
-    sparse = dict(sparse or {})
-    if repeats < 1:
-        raise InvalidArgumentError(f"repeats must be >= 1, got {repeats!r}")
-    for name, n in sparse.items():
-        if name not in fns or not 1 <= n <= repeats:
-            raise InvalidArgumentError(
-                f"sparse[{name!r}] must name one of {sorted(fns)} with 1 <= n <= repeats "
-                f"({repeats}), got {n!r}"
-            )
-    rounds_of = {name: {round(k * repeats / n) for k in range(n)} for name, n in sparse.items()}
-    for _ in range(warmup):
-        for name, fn in fns.items():
-            if name not in sparse:
-                fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for i in range(repeats):
-        for name, fn in fns.items():
-            if name in sparse and i not in rounds_of[name]:
-                continue
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
-
-
-# --------------------------------------------------------------------------- measurements
-def _sdpa(w: DecodeWorkload) -> torch.Tensor:
-    return F.scaled_dot_product_attention(
-        w.contiguous_query, w.contiguous_key, w.contiguous_value, enable_gqa=True
-    )  # [B, H_q, 1, D]
-
-
-def _measure_decode(config: CoreConfig, context: int, log: Callable[[str], None]) -> dict:
-    reference = ops.get("paged_attention", "reference")
-    compiled = ops.get("paged_attention", "compiled")
-    w = build_decode(context, config.shape, seed=config.seed)
-    args = w.paged_args()
-
-    # Check before timing; these first calls are also the warm-up that compiles.
-    expected = reference(*args).out  # [B, 1, H_q, D]
-    got_compiled = compiled(*args).out
-    got_sdpa = _sdpa(w).transpose(1, 2)  # [B, 1, H_q, D]
-    for name, got in (("compiled", got_compiled), ("contiguous SDPA", got_sdpa)):
-        torch.testing.assert_close(
-            got, expected, atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n} at {context}: {m}"
+    log(f"pytest-benchmark: {BENCH_FILE.relative_to(REPO_ROOT)} -> {json_path.name}")
+    previous = os.environ.get("KVSTACK_BENCH_QUICK")
+    os.environ["KVSTACK_BENCH_QUICK"] = "1" if quick else "0"
+    try:
+        status = pytest.main(
+            [
+                str(BENCH_FILE),
+                "-q",
+                "-x",  # a wrong output ends the run: nothing after it would be reported
+                "-p",
+                "no:cacheprovider",
+                f"--rootdir={REPO_ROOT}",
+                "--benchmark-only",
+                "--benchmark-disable-gc",
+                f"--benchmark-json={json_path}",
+            ]
         )
-    max_abs_diff = float((got_compiled - expected).abs().max())
+    finally:
+        if previous is None:
+            del os.environ["KVSTACK_BENCH_QUICK"]
+        else:
+            os.environ["KVSTACK_BENCH_QUICK"] = previous
+    if status != 0:
+        raise KVStackError(
+            f"the core microbenchmarks failed (pytest exit status {int(status)}): an output "
+            "differs from the reference or a benchmark raised; nothing was reported"
+        )
+    return json.loads(json_path.read_text())
 
-    repeats = config.reference_repeats[context]
-    log(
-        f"decode attention, context {context}: compiled and SDPA x{config.fast_repeats}, "
-        f"reference x{repeats}, interleaved"
+
+def medians_ms(benchmark_json: dict) -> dict[tuple[str, str, str, int], float]:
+    """(op, path, implementation, context) -> median ms, from pytest-benchmark's JSON."""
+    medians = {}
+    for bench in benchmark_json["benchmarks"]:
+        info = bench["extra_info"]
+        key = (info["op"], info["path"], info["implementation"], int(info["context"]))
+        medians[key] = bench["stats"]["median"] * 1e3
+    return medians
+
+
+def _figures(benchmark_json: dict, quick: bool) -> tuple[dict[str, Figure], dict]:
+    medians = medians_ms(benchmark_json)
+    # (op, path) -> the workload its benchmarks recorded (the same for every implementation)
+    infos = {}
+    for b in benchmark_json["benchmarks"]:
+        info = {k: v for k, v in b["extra_info"].items() if k != "implementation"}
+        infos[(info["op"], info["path"])] = info
+    figures: dict[str, Figure] = {}
+
+    def add(name: str, value: float, unit: str, description: str) -> None:
+        figures[name] = Figure(value, unit, description, TARGETS.get(name))
+
+    def add_ratios(prefix: str, what: str, t: dict[str, float], ctx: int, suffix: str) -> None:
+        add(
+            f"{prefix}.compiled_over_reference{suffix}",
+            t["reference"] / t["compiled"],
+            "ratio",
+            f"speed-up of compiled {what} over the reference, context {ctx}",
+        )
+        add(
+            f"{prefix}.compiled_over_contiguous_sdpa{suffix}",
+            t["compiled"] / t["contiguous_sdpa"],
+            "ratio",
+            f"time of compiled {what} / SDPA on the same tokens laid out contiguously, "
+            f"context {ctx}",
+        )
+
+    paged_contexts = sorted({k[3] for k in medians if k[0] == "paged_attention"})
+    main = paged_contexts[-1] if quick else 4096
+    for ctx in paged_contexts:
+        t = {impl: medians[("paged_attention", "paged", impl, ctx)] for impl in IMPLEMENTATIONS}
+        if ctx == main:  # the headline figures, unsuffixed
+            add_ratios("paged_attention", "paged_attention", t, ctx, "")
+        add_ratios("paged_attention", "paged_attention", t, ctx, f".ctx{ctx}")
+        for impl, ms in t.items():
+            add(f"paged_attention.{impl}_ms.ctx{ctx}", ms, "ms", f"median, context {ctx}")
+
+    for path in ("several_kv_heads", "one_kv_head"):
+        ((ctx,),) = [{k[3] for k in medians if k[:2] == ("decode_attention", path)}]
+        t = {impl: medians[("decode_attention", path, impl, ctx)] for impl in IMPLEMENTATIONS}
+        what = f"decode_attention ({path.replace('_', ' ')} per table)"
+        add_ratios(f"decode_attention.{path}", what, t, ctx, "")
+        for impl, ms in t.items():
+            add(f"decode_attention.{path}.{impl}_ms", ms, "ms", f"median, context {ctx}")
+
+    ((repack_ctx,),) = [{k[3] for k in medians if k[0] == "copy_slots"}]
+    copy_ms = medians[("copy_slots", "repack", "copy_slots", repack_ctx)]
+    plain_ms = medians[("copy_slots", "repack", "plain_copy", repack_ctx)]
+    repack_info = infos[("copy_slots", "repack")]
+    gb = repack_info["bytes_moved"] / 1e9
+    add(
+        "repack.bandwidth_fraction",
+        plain_ms / copy_ms,
+        "fraction",
+        "bytes/s of the compiled copy_slots of a forced repack / bytes/s of a plain "
+        "contiguous copy of the same bytes",
     )
-    t = interleaved_medians_ms(
-        {
-            "reference": lambda: reference(*args),
-            "compiled": lambda: compiled(*args),
-            "sdpa": lambda: _sdpa(w),
-        },
-        config.fast_repeats,
-        config.warmup,
-        sparse={"reference": repeats},
-    )
-    return {
-        "reference_ms": t["reference"],
-        "compiled_ms": t["compiled"],
-        "contiguous_sdpa_ms": t["sdpa"],
-        "compiled_over_reference": t["reference"] / t["compiled"],
-        "compiled_over_contiguous_sdpa": t["compiled"] / t["sdpa"],
-        "compiled_max_abs_diff": max_abs_diff,
+    add("repack.copy_slots_gb_per_s", gb / (copy_ms / 1e3), "GB/s", "compiled copy_slots")
+    add("repack.plain_copy_gb_per_s", gb / (plain_ms / 1e3), "GB/s", "plain dst.copy_(src)")
+    add("repack.bytes_moved", float(repack_info["bytes_moved"]), "bytes", "K and V bytes moved")
+
+    paged = {k: v for k, v in infos[("paged_attention", "paged")].items() if k != "context"}
+    workload = {
+        "paged_attention": {**paged, "contexts": paged_contexts},
+        "decode_attention.several_kv_heads": infos[("decode_attention", "several_kv_heads")],
+        "decode_attention.one_kv_head": infos[("decode_attention", "one_kv_head")],
+        "repack": repack_info,
+        "rounds": {b["name"]: b["stats"]["rounds"] for b in benchmark_json["benchmarks"]},
+        "timer": "pytest-benchmark pedantic, 1 iteration per round, median; GC disabled",
     }
+    return figures, workload
 
 
-def _measure_repack(config: CoreConfig, log: Callable[[str], None]) -> dict:
-    copy_slots = ops.get("copy_slots", "compiled")
-    w = build_repack(config.repack_context, config.shape, seed=config.seed)
-    pool = w.pool
+IMPLEMENTATIONS = ("reference", "compiled", "contiguous_sdpa")
 
-    def repack_copy() -> None:
-        # Idempotent: sources and destinations are disjoint (vToken I4), so every repeat moves
-        # the same bytes.
-        copy_slots(pool.key, pool.value, w.src_slots, w.dst_slots)
 
-    def plain_copy() -> None:
-        w.plain_dst.copy_(w.plain_src)
-
-    repack_copy()  # check before timing; also compiles
-    h_kv, d = config.shape.num_kv_heads, config.shape.head_dim
-    for cache in (pool.key, pool.value):
-        rows = cache.view(-1, h_kv, d)  # [S, H_kv, D]
-        torch.testing.assert_close(rows[w.dst_slots], rows[w.src_slots], atol=0, rtol=0)
-
-    log(f"repack copy, context {config.repack_context}: x{config.fast_repeats}")
-    t = interleaved_medians_ms(
-        {"copy_slots": repack_copy, "plain": plain_copy}, config.fast_repeats, config.warmup
+def measure(quick: bool, log: Callable[[str], None]) -> Measured:
+    with tempfile.TemporaryDirectory() as tmp:
+        benchmark_json = _run_pytest_benchmark(quick, Path(tmp) / "benchmark.json", log)
+    figures, workload = _figures(benchmark_json, quick)
+    return Measured(
+        figures=figures,
+        workload=workload,
+        title="kvstack core benchmark",
+        sections=_sections(figures, workload),
+        plot=lambda path: _plot(figures, workload, path),
+        extra_files={"pytest-benchmark.json": json.dumps(benchmark_json, indent=1) + "\n"},
     )
-    gb = w.bytes_moved / 1e9
-    return {
-        "copy_slots_ms": t["copy_slots"],
-        "plain_copy_ms": t["plain"],
-        "copy_slots_gb_per_s": gb / (t["copy_slots"] / 1e3),
-        "plain_copy_gb_per_s": gb / (t["plain"] / 1e3),
-        # (bytes / t_copy) / (bytes / t_plain)
-        "bandwidth_fraction": t["plain"] / t["copy_slots"],
-        "bytes_moved": float(w.bytes_moved),
-        "moved_rows": float(w.moved_rows),
-    }
 
 
-# --------------------------------------------------------------------------- run and report
 def run_core(
-    out_dir: str | Path,
-    quick: bool = False,
-    *,
-    command: str | None = None,
-    verbose: bool = False,
+    out_dir: str | Path, quick: bool = False, *, command: str | None = None, verbose: bool = False
 ) -> dict[str, float]:
-    """Measure the core workloads, write ``figures.json``, ``report.md`` and
-    ``decode_attention.png`` under ``out_dir``, and return the figures.
-
-    ``quick`` uses tiny sizes (``QUICK``) to exercise the pipeline; its numbers mean nothing.
-    ``command`` is recorded in the report as what produced it (default: the equivalent
-    ``kvstack bench core`` command). ``verbose`` logs progress to stderr.
-    """
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise InvalidArgumentError(f"out_dir must be a directory, got existing file {str(out)!r}")
-    config = QUICK if quick else FULL
-    if command is None:
-        command = f"kvstack bench core --out {out}" + (" --quick" if quick else "")
-
-    def log(message: str) -> None:
-        if verbose:
-            print(f"[kvstack bench core] {message}", file=sys.stderr, flush=True)
-
-    decode = {ctx: _measure_decode(config, ctx, log) for ctx in config.contexts}
-    repack = _measure_repack(config, log)
-
-    figures: dict[str, float] = {}
-    for name in ("compiled_over_reference", "compiled_over_contiguous_sdpa"):
-        figures[f"decode_attention.{name}"] = decode[config.main_context][name]
-    for ctx, values in decode.items():
-        for name, value in values.items():
-            figures[f"decode_attention.{name}.ctx{ctx}"] = value
-    for name, value in repack.items():
-        figures[f"repack.{name}"] = value
-
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "figures.json").write_text(json.dumps(figures, indent=2, sort_keys=True) + "\n")
-    _plot_decode(config, decode, out / "decode_attention.png")
-    (out / "report.md").write_text(_report(config, figures, decode, repack, command))
-    return figures
+    """Run the core benchmark into ``out_dir`` (``bench/suite.py`` says what is written)."""
+    return run_suite(
+        NAME, measure, DEPENDS_ON, out_dir, quick=quick, command=command, verbose=verbose
+    )
 
 
-def passes(name: str, value: float) -> bool:
-    return meets_target(TARGETS, name, value)
-
-
-def _report(
-    config: CoreConfig, figures: dict[str, float], decode: dict, repack: dict, command: str
-) -> str:
-    s = config.shape
-    contexts = ", ".join(str(c) for c in config.contexts)
-    ref_repeats = ", ".join(f"{n} at {c}" for c, n in config.reference_repeats.items())
+def _sections(figures: dict[str, Figure], workload: dict) -> list[str]:
+    p = workload["paged_attention"]
     lines = [
-        "# kvstack core benchmark",
-        "",
-        f"Produced by `{command}` on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC.",
-        "",
         "## Workload",
         "",
-        f"- Machine: {cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} "
-        f"threads, Python {platform.python_version()}; CPU, timed with `time.perf_counter`.",
-        f"- Shape: {s.describe()}; seed {config.seed}.",
-        f"- Decode attention: one decode step (1 query token per sequence) over {s.batch} token "
-        f"tables whose blocks are a random permutation of the pool (shuffled table); "
-        f"contexts {contexts} tokens per sequence, headline figures at {config.main_context}.",
-        '  - reference: `ops.get("paged_attention", "reference")`; compiled: '
-        '`ops.get("paged_attention", "compiled")`; contiguous SDPA: '
+        f"One decode step (one query token per sequence) over token tables whose blocks are a "
+        f"random permutation of the pool, fp32, {p['threads']} torch thread(s). "
+        f"`paged_attention`: batch {p['batch']}, {p['num_query_heads']} query / "
+        f"{p['num_kv_heads']} KV heads, head_dim {p['head_dim']}, block size "
+        f"{p['block_size']}, contexts {', '.join(map(str, p['contexts']))}. Baseline: "
         "`scaled_dot_product_attention(enable_gqa=True)` on the same tokens laid out "
-        "[B, H_kv, T, D].",
-        "  - Outputs checked against the reference (atol = rtol = 1e-4) before timing.",
-        f"- Repack copy: {s.batch} tables of {config.repack_context} tokens, 50% of each "
-        f"table's tokens evicted at random, `plan_repack(force=True)`; the plans' moves in one "
-        f'`ops.get("copy_slots", "compiled")` call vs a plain contiguous `dst.copy_(src)` of the '
-        f"same bytes ({int(repack['moved_rows'])} rows x {s.num_kv_heads} heads x {s.head_dim} "
-        f"x 2 (K and V) = {repack['bytes_moved'] / 1e6:.3g} MB).",
-        f"- Repeats (medians): compiled, SDPA and both copies {config.fast_repeats} each, "
-        f"after one checked call and {config.warmup} warm-up round(s) (so torch.compile time "
-        f"is excluded); reference {ref_repeats}, after one checked call, in rounds spread "
-        "evenly among the others'. All implementations of a workload are timed interleaved, "
-        "round by round, so load from other processes hits each alike.",
+        "[B, H_kv, T, D] — the two sides differ in the table gather and in the kernel.",
         "",
-        "## Targets",
-        "",
-        "| figure | measured | target | result |",
-        "|---|---:|---:|---|",
+        "| op | path | context | reference ms | compiled ms | contiguous SDPA ms | "
+        "reference / compiled | compiled / SDPA |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for name, (comparison, target) in TARGETS.items():
-        value = figures[name]
-        where = "" if name.startswith("repack") else f" (context {config.main_context})"
-        result = "pass" if passes(name, value) else "FAIL"
-        lines.append(f"| `{name}`{where} | {value:.3g} | {comparison} {target:g} | {result} |")
-    lines += [
-        "",
-        "## Decode attention (median ms per decode step)",
-        "",
-        "| context | reference | compiled | contiguous SDPA | reference / compiled "
-        "| compiled / SDPA | compiled max abs diff |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for ctx, v in decode.items():
+    for ctx in p["contexts"]:
+        f = {k: figures[f"paged_attention.{k}_ms.ctx{ctx}"].value for k in IMPLEMENTATIONS}
         lines.append(
-            f"| {ctx} | {v['reference_ms']:.2f} | {v['compiled_ms']:.2f} | "
-            f"{v['contiguous_sdpa_ms']:.2f} | {v['compiled_over_reference']:.1f} | "
-            f"{v['compiled_over_contiguous_sdpa']:.2f} | {v['compiled_max_abs_diff']:.1e} |"
+            f"| paged_attention | several KV heads | {ctx} | {f['reference']:.2f} | "
+            f"{f['compiled']:.2f} | {f['contiguous_sdpa']:.2f} | "
+            f"{f['reference'] / f['compiled']:.1f} | {f['compiled'] / f['contiguous_sdpa']:.2f} |"
         )
+    for path in ("several_kv_heads", "one_kv_head"):
+        w = workload[f"decode_attention.{path}"]
+        f = {k: figures[f"decode_attention.{path}.{k}_ms"].value for k in IMPLEMENTATIONS}
+        lines.append(
+            f"| decode_attention | {path.replace('_', ' ')} ({w['batch']} x {w['num_query_heads']}"
+            f"q/{w['num_kv_heads']}kv x {w['head_dim']}) | {w['context']} | "
+            f"{f['reference']:.3f} | {f['compiled']:.3f} | {f['contiguous_sdpa']:.3f} | "
+            f"{f['reference'] / f['compiled']:.1f} | {f['compiled'] / f['contiguous_sdpa']:.2f} |"
+        )
+    r = workload["repack"]
     lines += [
         "",
-        "![decode attention ms vs context](decode_attention.png)",
-        "",
-        "## Repack copy",
-        "",
-        "| copy | median ms | GB/s |",
-        "|---|---:|---:|",
-        f"| compiled `copy_slots` | {repack['copy_slots_ms']:.2f} | "
-        f"{repack['copy_slots_gb_per_s']:.2f} |",
-        f"| plain `dst.copy_(src)` | {repack['plain_copy_ms']:.2f} | "
-        f"{repack['plain_copy_gb_per_s']:.2f} |",
-        "",
-        f"Bandwidth fraction: {repack['bandwidth_fraction']:.3f}.",
-        "",
-        "Absolute CPU times on a shared machine are not comparable between runs; the ratios are "
-        "against baselines measured in this run. All figures are in `figures.json`.",
-        "",
+        f"Repack copy: {r['batch']} tables of {r['context']} tokens, 50 % evicted at random, "
+        f"forced repack; {r['moved_rows']} rows moved ({r['bytes_moved'] / 1e6:.3g} MB of K "
+        f"and V) by compiled `copy_slots` at "
+        f"{format_value(figures['repack.copy_slots_gb_per_s'].value, 'GB/s')} GB/s against "
+        f"{format_value(figures['repack.plain_copy_gb_per_s'].value, 'GB/s')} GB/s for a plain "
+        "contiguous copy of as many bytes.",
     ]
-    return "\n".join(lines)
+    return lines
 
 
-def _plot_decode(config: CoreConfig, decode: dict, path: Path) -> None:
+def _plot(figures: dict[str, Figure], workload: dict, path: Path) -> None:
     # Figure + Agg canvas directly: no pyplot, so no global backend state is touched.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure as MplFigure
 
-    fig = Figure(figsize=(6, 4), dpi=120)
+    fig = MplFigure(figsize=(6, 4), dpi=120)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    contexts = list(decode)
-    for key, label in (
-        ("reference_ms", "reference"),
-        ("compiled_ms", "compiled"),
-        ("contiguous_sdpa_ms", "contiguous SDPA"),
-    ):
-        ax.plot(contexts, [decode[c][key] for c in contexts], marker="o", label=label)
+    contexts = workload["paged_attention"]["contexts"]
+    for impl in IMPLEMENTATIONS:
+        values = [figures[f"paged_attention.{impl}_ms.ctx{c}"].value for c in contexts]
+        ax.plot(contexts, values, marker="o", label=impl.replace("_", " "))
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(contexts, [str(c) for c in contexts])
     ax.set_xlabel("context (tokens per sequence)")
     ax.set_ylabel("median ms per decode step")
-    ax.set_title(f"Decode attention, {config.shape.describe()}", fontsize=8)
+    ax.set_title("paged_attention, one decode step", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
+
+
+def readme_tables(results: dict) -> dict[str, str]:
+    """The README's core table, from a results file."""
+    f = results["figures"]
+    rows = [
+        "| figure | measured | target | |",
+        "|---|---:|---|---|",
+    ]
+    for name in TARGETS:
+        rows.append(_row(name, f[name]))
+    for path in ("several_kv_heads", "one_kv_head"):
+        rows.append(
+            _row(
+                f"decode_attention.{path}.compiled_over_reference",
+                f[f"decode_attention.{path}.compiled_over_reference"],
+            )
+        )
+    return {"core": "\n".join(rows)}
+
+
+def _row(name: str, figure: dict) -> str:
+    from kvstack.bench.suite import met_text, target_text
+
+    return (
+        f"| `{name}` | {format_value(figure['value'], figure['unit'])} | "
+        f"{target_text(figure['target'])} | {met_text(figure['met'])} |"
+    )

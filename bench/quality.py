@@ -18,7 +18,7 @@ of the prompt's tokens; eviction runs after the prefill and after every decode s
 Full cache: ``DynamicCache`` with "sdpa" attention (``PagedCache`` with "kvstack" gives the same
 tokens). Policies run with "kvstack" attention, their default settings.
 
-Figures (flat name -> float, ``figures.json``):
+Figures (``results.json``, and ``bench/results/quality.json`` for a full run):
 
     vtoken.quality.accuracy.full              fraction of items right, full cache
     vtoken.quality.accuracy.<policy>          ... TokenTableCache(<policy>, ratio=0.5)
@@ -39,13 +39,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-import platform
-import sys
-import time
+import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +50,18 @@ import torch
 
 from kvstack.bench import quality_data
 from kvstack.bench.quality_data import KINDS, QualityItem
-from kvstack.errors import InvalidArgumentError
+from kvstack.bench.suite import CACHE_CODE, Figure, Measured, run_suite
+from kvstack.errors import InvalidArgumentError, KVStackError
 from kvstack.models import greedy_generation_config
 
+NAME = "quality"
+DEPENDS_ON = (
+    *CACHE_CODE,
+    "kvstack/models.py",
+    "bench/quality.py",
+    "bench/quality_data.py",
+    "bench/data/quality",
+)
 POLICIES = ("h2o", "scissorhands", "random", "streamingllm", "snapkv", "tova")
 FULL_NAME = "full"
 PREFIX = "vtoken.quality"
@@ -115,8 +121,8 @@ class CacheCase:
 def _cases(model: Any, config: QualityConfig) -> list[CacheCase]:
     from transformers import DynamicCache
 
-    from kvstack.demo import make_policy
     from kvstack.hf import TokenTableCache
+    from kvstack.policies import BY_NAME
 
     cases = [CacheCase(FULL_NAME, "sdpa", lambda: DynamicCache(config=model.config))]
     for name in config.policies:
@@ -126,7 +132,7 @@ def _cases(model: Any, config: QualityConfig) -> list[CacheCase]:
                 "kvstack",
                 lambda name=name: TokenTableCache(
                     model.config,
-                    make_policy(name),  # a fresh policy, default settings
+                    BY_NAME[name](),  # a fresh policy, default settings
                     ratio=config.ratio,
                     block_size=config.block_size,
                 ),
@@ -203,31 +209,37 @@ def run_quality(
     config: QualityConfig | None = None,
     model_and_tokenizer: tuple[Any, Any] | None = None,
 ) -> dict[str, float]:
-    """Measure accuracy and NLL for the full cache and each policy; write ``figures.json``,
-    ``report.md``, ``outputs.json`` (every item's output per cache) and ``quality.png`` under
-    ``out_dir``; return the figures.
+    """Measure accuracy and NLL for the full cache and each policy into ``out_dir``
+    (``bench/suite.py`` says what is written; ``outputs.json`` holds every item's output per
+    cache); return the figures.
 
     ``quick`` uses ``QUICK`` (three short items, one short text, two policies) to exercise the
-    pipeline; its numbers mean nothing. ``config`` overrides both. ``command`` is recorded in
-    the report (default: the equivalent ``kvstack bench quality`` command). ``verbose`` logs
-    progress to stderr. ``model_and_tokenizer``: a loaded SmolLM2 whose attention
-    implementation may be switched (default: ``load_smollm2(fresh=True)``).
+    pipeline; its numbers mean nothing. ``config`` overrides both (and, like ``quick``, keeps
+    the run out of the committed results file). ``model_and_tokenizer``: a loaded SmolLM2 whose
+    attention implementation may be switched (default: ``load_smollm2(fresh=True)``).
     """
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise InvalidArgumentError(f"out_dir must be a directory, got existing file {str(out)!r}")
     if config is None:
         config = QUICK if quick else FULL
     unknown = set(config.policies) - set(POLICIES)
     if unknown:
         raise InvalidArgumentError(f"unknown policies {sorted(unknown)}; expected among {POLICIES}")
-    if command is None:
-        command = f"kvstack bench quality --out {out}" + (" --quick" if quick else "")
+    return run_suite(
+        NAME,
+        lambda quick, log: measure(config, log, model_and_tokenizer, quick),
+        DEPENDS_ON,
+        out_dir,
+        quick=quick or config is not FULL,
+        command=command,
+        verbose=verbose,
+    )
 
-    def log(message: str) -> None:
-        if verbose:
-            print(f"[kvstack bench quality] {message}", file=sys.stderr, flush=True)
 
+def measure(
+    config: QualityConfig,
+    log: Callable[[str], None],
+    model_and_tokenizer: tuple[Any, Any] | None = None,
+    quick: bool = False,
+) -> Measured:
     import kvstack.hf  # noqa: F401  (registers attn_implementation="kvstack")
 
     if model_and_tokenizer is None:
@@ -235,7 +247,7 @@ def run_quality(
 
         log("loading SmolLM2-135M-Instruct")
         # fresh: this run switches the attention implementation, so it needs its own copy.
-        model_and_tokenizer = load_smollm2(progress=verbose, fresh=True)
+        model_and_tokenizer = load_smollm2(progress=True, fresh=True)
     model, tokenizer = model_and_tokenizer
 
     items = quality_data.build_items(config.counts, seed=config.seed, words=config.words)
@@ -256,79 +268,94 @@ def run_quality(
         nll_ids[name] = (ids[:, : config.nll_context], ids[:, config.nll_context : need])
 
     generation_config = greedy_generation_config(model, tokenizer, config.max_new_tokens)
-    cases = _cases(model, config)
     results: dict[str, dict] = {}
-    for case in cases:
+    for case in _cases(model, config):
         model.set_attn_implementation(case.attn)
-        # Warm-up (torch.compile of the kvstack attention happens here, not in the timings).
-        generate_answer(model, tokenizer, item_ids[0][:, :48], case.make(), generation_config)
-        start = time.perf_counter()
         outputs = []
         for item, ids in zip(items, item_ids, strict=True):
             text = generate_answer(model, tokenizer, ids, case.make(), generation_config)
             outputs.append({"id": item.id, "output": text, "correct": item.is_correct(text)})
             log(f"{case.name}: {item.id} ({ids.shape[1]} tokens) {outputs[-1]['correct']}")
-        item_seconds = time.perf_counter() - start
-        start = time.perf_counter()
         nll = {}
         for name, (context, continuation) in nll_ids.items():
             nll[name] = continuation_nll(model, context, continuation, case.make())
+            if not math.isfinite(nll[name]):
+                raise KVStackError(f"{case.name}: NLL of {name!r} is {nll[name]}, not finite")
             log(f"{case.name}: NLL {name} {nll[name]:.4f}")
-        results[case.name] = {
-            "outputs": outputs,
-            "nll": nll,
-            "item_seconds": item_seconds,
-            "nll_seconds": time.perf_counter() - start,
-        }
+        results[case.name] = {"outputs": outputs, "nll": nll}
     model.set_attn_implementation("sdpa")
 
     figures = _figures(items, results)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "figures.json").write_text(json.dumps(figures, indent=2, sort_keys=True) + "\n")
-    (out / "outputs.json").write_text(
-        json.dumps(
-            {
-                "items": [
-                    {
-                        "id": item.id,
-                        "kind": item.kind,
-                        "answers": list(item.answers),
-                        "depth": round(item.depth, 4),
-                        "prompt_tokens": int(ids.shape[1]),
-                    }
-                    for item, ids in zip(items, item_ids, strict=True)
-                ],
-                "outputs": {name: r["outputs"] for name, r in results.items()},
-            },
-            indent=1,
-        )
-        + "\n"
-    )
-    _plot(config, figures, out / "quality.png")
     lengths = [int(ids.shape[1]) for ids in item_ids]
-    (out / "report.md").write_text(
-        _report(config, items, lengths, figures, results, command, quick)
+    outputs_json = {
+        "items": [
+            {
+                "id": item.id,
+                "kind": item.kind,
+                "answers": list(item.answers),
+                "depth": round(item.depth, 4),
+                "prompt_tokens": int(ids.shape[1]),
+            }
+            for item, ids in zip(items, item_ids, strict=True)
+        ],
+        "outputs": {name: r["outputs"] for name, r in results.items()},
+    }
+    workload = {
+        "model": "SmolLM2-135M-Instruct (kvstack.models.load_smollm2: dequantised Q4_1, fp32)",
+        "dtype": "float32",
+        "device": "cpu",
+        "items": {kind: sum(i.kind == kind for i in items) for kind in KINDS},
+        "item_seed": config.seed,
+        "prompt_tokens": {"min": min(lengths), "max": max(lengths)},
+        "max_new_tokens": config.max_new_tokens,
+        "ratio": config.ratio,
+        "block_size": config.block_size,
+        "policies": list(config.policies),
+        "nll_texts": list(config.nll_texts),
+        "nll_context": config.nll_context,
+        "nll_continuation": config.nll_continuation,
+    }
+    return Measured(
+        figures=figures,
+        workload=workload,
+        title="kvstack quality benchmark (vToken: accuracy and NLL under eviction)",
+        sections=_sections(config, items, lengths, figures, results, quick),
+        plot=lambda path: _plot(config, figures, path),
+        extra_files={"outputs.json": json.dumps(outputs_json, indent=1) + "\n"},
     )
-    return figures
 
 
-def _figures(items: Sequence[QualityItem], results: dict[str, dict]) -> dict[str, float]:
-    figures: dict[str, float] = {}
+def _figures(items: Sequence[QualityItem], results: dict[str, dict]) -> dict[str, Figure]:
+    figures: dict[str, Figure] = {}
     for name, r in results.items():
         correct = [o["correct"] for o in r["outputs"]]
-        figures[f"{PREFIX}.accuracy.{name}"] = sum(correct) / len(correct)
+        figures[f"{PREFIX}.accuracy.{name}"] = Figure(
+            sum(correct) / len(correct), "fraction", f"items right, {name}"
+        )
         for kind in KINDS:
             of_kind = [c for c, item in zip(correct, items, strict=True) if item.kind == kind]
             if of_kind:
-                figures[f"{PREFIX}.accuracy.{name}.{kind}"] = sum(of_kind) / len(of_kind)
+                figures[f"{PREFIX}.accuracy.{name}.{kind}"] = Figure(
+                    sum(of_kind) / len(of_kind), "fraction", f"{kind} items right, {name}"
+                )
         # Every text has the same number of scored tokens, so the mean of means is the mean.
-        figures[f"{PREFIX}.nll.{name}"] = sum(r["nll"].values()) / len(r["nll"])
+        figures[f"{PREFIX}.nll.{name}"] = Figure(
+            sum(r["nll"].values()) / len(r["nll"]),
+            "nats/token",
+            f"teacher-forced NLL of held-out text, mean over texts, {name}",
+        )
         for text, value in r["nll"].items():
-            figures[f"{PREFIX}.nll.{name}.{text}"] = value
-    full = figures[f"{PREFIX}.nll.{FULL_NAME}"]
+            figures[f"{PREFIX}.nll.{name}.{text}"] = Figure(
+                value, "nats/token", f"NLL of {text}, {name}"
+            )
+    full = figures[f"{PREFIX}.nll.{FULL_NAME}"].value
     for name in results:
         if name != FULL_NAME:
-            figures[f"{PREFIX}.nll_delta.{name}"] = figures[f"{PREFIX}.nll.{name}"] - full
+            figures[f"{PREFIX}.nll_delta.{name}"] = Figure(
+                figures[f"{PREFIX}.nll.{name}"].value - full,
+                "nats/token",
+                f"NLL of {name} - NLL of the full cache",
+            )
     return figures
 
 
@@ -336,22 +363,17 @@ def _depth_bucket(depth: float) -> int:
     return min(int(depth * 3), 2)
 
 
-def _report(
+def _sections(
     config: QualityConfig,
     items: Sequence[QualityItem],
     lengths: Sequence[int],
-    figures: dict[str, float],
+    figures: dict[str, Figure],
     results: dict[str, dict],
-    command: str,
     quick: bool,
-) -> str:
+) -> list[str]:
+    value = {name: figure.value for name, figure in figures.items()}
     counts = ", ".join(f"{sum(i.kind == k for i in items)} {k}" for k in KINDS)
-    lines = [
-        "# kvstack quality benchmark (vToken: accuracy and NLL under eviction)",
-        "",
-        f"Produced by `{command}` on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC.",
-        "",
-    ]
+    lines = []
     if quick:
         lines += [
             "**Quick run: three short items and one short text; the numbers mean nothing.**",
@@ -360,9 +382,7 @@ def _report(
     lines += [
         "## Workload",
         "",
-        f"- Model: SmolLM2-135M-Instruct, float32, CPU ({platform.machine()}, torch "
-        f"{torch.__version__}, {torch.get_num_threads()} thread(s), Python "
-        f"{platform.python_version()}).",
+        "- Model: SmolLM2-135M-Instruct, float32, CPU.",
         f"- Items: {len(items)} ({counts}), built by `bench/quality_data.py` (seed "
         f"{config.seed}); prompts {min(lengths)}-{max(lengths)} tokens (mean "
         f"{sum(lengths) / len(lengths):.0f}) with the chat template, question after the text, "
@@ -382,29 +402,25 @@ def _report(
         "",
         "## Results",
         "",
-        "| cache | accuracy | " + " | ".join(KINDS) + " | NLL | NLL - full | items s | NLL s |",
-        "|---|---:|" + "---:|" * len(KINDS) + "---:|---:|---:|---:|",
+        "| cache | accuracy | " + " | ".join(KINDS) + " | NLL | NLL - full |",
+        "|---|---:|" + "---:|" * len(KINDS) + "---:|---:|",
     ]
-    for name, r in results.items():
-        delta = figures.get(f"{PREFIX}.nll_delta.{name}")
+    for name in results:
+        delta = value.get(f"{PREFIX}.nll_delta.{name}")
         cells = [
             name,
-            f"{figures[f'{PREFIX}.accuracy.{name}']:.3f}",
+            f"{value[f'{PREFIX}.accuracy.{name}']:.3f}",
             *(
-                f"{figures[f'{PREFIX}.accuracy.{name}.{k}']:.2f}"
-                if f"{PREFIX}.accuracy.{name}.{k}" in figures
+                f"{value[f'{PREFIX}.accuracy.{name}.{k}']:.2f}"
+                if f"{PREFIX}.accuracy.{name}.{k}" in value
                 else "-"
                 for k in KINDS
             ),
-            f"{figures[f'{PREFIX}.nll.{name}']:.4f}",
+            f"{value[f'{PREFIX}.nll.{name}']:.4f}",
             "-" if delta is None else f"{delta:+.4f}",
-            f"{r['item_seconds']:.0f}",
-            f"{r['nll_seconds']:.0f}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
-        "",
-        "![accuracy and NLL per cache](quality.png)",
         "",
         "### Accuracy by depth of the fact in the context",
         "",
@@ -432,22 +448,18 @@ def _report(
         lines.append(
             "| " + " | ".join([name, *(f"{r['nll'][t]:.4f}" for t in config.nll_texts)]) + " |"
         )
-    lines += [
-        "",
-        "Every item's output per cache is in `outputs.json`; all figures are in `figures.json`. "
-        "Seconds are wall time on a shared CPU, for the record only.",
-        "",
-    ]
-    return "\n".join(lines)
+    lines += ["", "Every item's output per cache is in `outputs.json`."]
+    return lines
 
 
-def _plot(config: QualityConfig, figures: dict[str, float], path: Path) -> None:
+def _plot(config: QualityConfig, figures: dict[str, Figure], path: Path) -> None:
     # Figure + Agg canvas directly: no pyplot, so no global backend state is touched.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure as MplFigure
 
+    figures = {name: figure.value for name, figure in figures.items()}
     names = [FULL_NAME, *config.policies]
-    fig = Figure(figsize=(9, 3.8), dpi=120)
+    fig = MplFigure(figsize=(9, 3.8), dpi=120)
     FigureCanvasAgg(fig)
     ax_acc, ax_nll = fig.subplots(1, 2)
     accuracy = [figures[f"{PREFIX}.accuracy.{n}"] for n in names]
@@ -468,3 +480,31 @@ def _plot(config: QualityConfig, figures: dict[str, float], path: Path) -> None:
         ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
+
+
+def readme_tables(results: dict) -> dict[str, str]:
+    """The README's quality table, from a results file."""
+    f = {name: figure["value"] for name, figure in results["figures"].items()}
+    names = [FULL_NAME, *results["workload"]["policies"]]
+    rows = [
+        f"| cache | accuracy ({sum(results['workload']['items'].values())}) | "
+        + " | ".join(KINDS)
+        + " | NLL (nats/token) | NLL - full |",
+        "|---|---:|" + "---:|" * len(KINDS) + "---:|---:|",
+    ]
+    for name in names:
+        delta = f.get(f"{PREFIX}.nll_delta.{name}")
+        rows.append(
+            "| "
+            + " | ".join(
+                [
+                    "full (`DynamicCache`)" if name == FULL_NAME else f"`{name}`",
+                    f"{f[f'{PREFIX}.accuracy.{name}']:.3f}",
+                    *(f"{f.get(f'{PREFIX}.accuracy.{name}.{k}', float('nan')):.2f}" for k in KINDS),
+                    f"{f[f'{PREFIX}.nll.{name}']:.3f}",
+                    "—" if delta is None else f"{delta:+.3f}",
+                ]
+            )
+            + " |"
+        )
+    return {"quality": "\n".join(rows)}

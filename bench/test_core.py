@@ -1,135 +1,198 @@
-"""pytest-benchmark suite of the core workloads at context 4096 (``pytest bench/``; not in CI).
+"""The core microbenchmarks, in pytest-benchmark: the source of ``kvstack bench core``'s figures.
 
-The same workloads as ``kvstack bench core`` (see ``workloads.py``): one decode step of batch 8,
-32 query / 8 KV heads, head_dim 128, fp32, over shuffled token tables — reference, compiled and
-contiguous SDPA — and the copy of a forced repack after 50% random eviction against a plain copy
-of the same bytes. Each benchmark records its workload in ``extra_info``; a fast implementation
-also records its ratio to the baseline measured earlier in the same session (tests run in file
-order: baselines first). ``kvstack bench core`` is the report; this file is for
-pytest-benchmark's comparisons between runs (``--benchmark-save`` / ``--benchmark-compare``).
+``kvstack bench core`` runs this file with ``--benchmark-json`` and turns the JSON into its
+results (``bench/core.py``); ``pytest bench/test_core.py`` runs it by hand (with
+``--benchmark-save`` / ``--benchmark-compare`` for comparisons between runs). With
+``KVSTACK_BENCH_QUICK=1`` the sizes are tiny: the pipeline is checked, the numbers mean nothing.
+
+Workloads (``workloads.py``), fp32, one decode step over shuffled token tables:
+
+* ``paged_attention`` — the registered op, reference and compiled, against
+  ``scaled_dot_product_attention`` on the same tokens laid out contiguously, at contexts of
+  1k/4k/8k tokens (batch 8, 32 query / 8 KV heads, head_dim 128);
+* ``decode_attention`` — the registered op, on each of its code paths: several KV heads per
+  table (the compiled decode kernel; the same shape at 4k) and one KV head per table (eager
+  gathers + ``bmm``; SmolLM2's per-head tables under H2O at 50 %: 3 tables x 650 tokens, 3
+  query heads, head_dim 64), each against the reference and contiguous SDPA;
+* the copy of a forced repack after 50 % random eviction (``copy_slots``, compiled) against a
+  plain contiguous copy of the same bytes.
+
+Every benchmark checks its output against the reference (the reference against contiguous
+SDPA) before it is timed, so a fast wrong answer fails instead of being reported. Each records
+its workload in ``extra_info`` (op, path, implementation, shape, context, dtype, threads).
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kvstack import ops
-from kvstack.bench.workloads import Shape, build_decode, build_repack
-
-CONTEXT = 4096
-FAST_ROUNDS = 10  # compiled, SDPA, copies: ~0.1 s per call or less
-REFERENCE_ROUNDS = 3  # ~1-2 s per call on 2 CPU cores
-
-_medians_s: dict[str, float] = {}  # name -> median seconds, for ratios within this session
+from kvstack.bench.workloads import CORE_SHAPE, Shape, build_decode, build_repack
 
 
-@pytest.fixture(scope="module")
-def decode():
-    return build_decode(CONTEXT)
+def quick() -> bool:
+    return os.environ.get("KVSTACK_BENCH_QUICK") == "1"
 
 
-@pytest.fixture(scope="module")
-def repack():
-    return build_repack(CONTEXT)
+def contexts() -> tuple[int, ...]:
+    return (64, 128) if quick() else (1024, 4096, 8192)
 
 
-def _decode_info(w) -> dict:
-    s = w.shape
+def main_context() -> int:
+    return contexts()[-1] if quick() else 4096
+
+
+SEVERAL_KV_HEADS = CORE_SHAPE
+ONE_KV_HEAD = Shape(batch=3, num_query_heads=3, num_kv_heads=1, head_dim=64)
+ONE_KV_HEAD_CONTEXT = 656  # 650 tokens (half of a 1.3k-token prompt), whole 16-token blocks
+QUICK_SEVERAL = Shape(batch=2, num_query_heads=4, num_kv_heads=2, head_dim=16)
+QUICK_ONE = Shape(batch=3, num_query_heads=3, num_kv_heads=1, head_dim=16)
+
+FAST_ROUNDS = 20
+REFERENCE_ROUNDS = 3
+WARMUP_ROUNDS = 2  # the first calls compile; torch.compile time is not what this measures
+
+
+def _rounds(implementation: str) -> int:
+    if quick():
+        return 2
+    return REFERENCE_ROUNDS if implementation == "reference" else FAST_ROUNDS
+
+
+def pytest_generate_tests(metafunc):
+    # Read at collection, so that KVSTACK_BENCH_QUICK set by the caller of pytest.main counts.
+    if "context" in metafunc.fixturenames:
+        metafunc.parametrize("context", contexts())
+
+
+def _info(shape: Shape, context: int, **more) -> dict:
     return {
-        "workload": "decode attention, shuffled token tables",
-        "context": w.context,
-        "batch": s.batch,
-        "num_query_heads": s.num_query_heads,
-        "num_kv_heads": s.num_kv_heads,
-        "head_dim": s.head_dim,
-        "block_size": s.block_size,
-        "dtype": str(s.dtype),
+        "context": context,
+        "batch": shape.batch,
+        "num_query_heads": shape.num_query_heads,
+        "num_kv_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim,
+        "block_size": shape.block_size,
+        "dtype": str(shape.dtype),
         "threads": torch.get_num_threads(),
+        **more,
     }
 
 
-def _repack_info(w) -> dict:
-    s = w.shape
-    return {
-        "workload": "repack copy after 50% random eviction",
-        "context": w.context,
-        "batch": s.batch,
-        "num_kv_heads": s.num_kv_heads,
-        "head_dim": s.head_dim,
-        "block_size": s.block_size,
-        "dtype": str(s.dtype),
-        "evict_fraction": w.evict_fraction,
-        "moved_rows": w.moved_rows,
-        "bytes_moved": w.bytes_moved,
-        "threads": torch.get_num_threads(),
-    }
-
-
-def _record_median(benchmark, name: str) -> float | None:
-    if benchmark.stats is None:  # --benchmark-disable
-        return None
-    _medians_s[name] = benchmark.stats.stats.median
-    return _medians_s[name]
-
-
-def test_decode_reference(benchmark, decode):
-    reference = ops.get("paged_attention", "reference")
-    benchmark.extra_info.update(_decode_info(decode), implementation="reference")
-    benchmark.pedantic(
-        reference, args=decode.paged_args(), rounds=REFERENCE_ROUNDS, warmup_rounds=1
-    )
-    _record_median(benchmark, "reference")
-
-
-def test_decode_contiguous_sdpa(benchmark, decode):
-    def sdpa():
+def _contiguous_sdpa(w):
+    def sdpa() -> torch.Tensor:
         return F.scaled_dot_product_attention(
-            decode.contiguous_query, decode.contiguous_key, decode.contiguous_value, enable_gqa=True
+            w.contiguous_query, w.contiguous_key, w.contiguous_value, enable_gqa=True
+        )  # [B, H_q, 1, D]
+
+    return sdpa
+
+
+def _bench_attention(benchmark, op: str, path: str, implementation: str, w, args) -> None:
+    """Check one implementation of ``op`` (or contiguous SDPA) on workload ``w``, then time it.
+
+    The registered implementations are checked against the reference; the reference itself and
+    contiguous SDPA are checked against each other."""
+    reference = ops.get(op, "reference")
+    sdpa = _contiguous_sdpa(w)
+    if implementation == "contiguous_sdpa":
+        call = sdpa
+        got, want = sdpa().transpose(1, 2), reference(*args).out  # [B, 1, H_q, D]
+    else:
+        fn = ops.get(op, implementation)
+        call = lambda: fn(*args)  # noqa: E731
+        got = fn(*args).out
+        want = sdpa().transpose(1, 2) if implementation == "reference" else reference(*args).out
+    assert torch.isfinite(got).all(), f"{op} {implementation}: non-finite output"
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    benchmark.extra_info.update(
+        _info(w.shape, w.context, op=op, path=path, implementation=implementation)
+    )
+    benchmark.pedantic(
+        call, rounds=_rounds(implementation), warmup_rounds=WARMUP_ROUNDS, iterations=1
+    )
+
+
+# --------------------------------------------------------------------------- paged_attention
+_decode_workloads: dict = {}
+
+
+def _decode(context: int, shape: Shape):
+    key = (context, shape)
+    if key not in _decode_workloads:
+        _decode_workloads.clear()  # one workload alive at a time: 8k contexts are large
+        _decode_workloads[key] = build_decode(context, shape)
+    return _decode_workloads[key]
+
+
+IMPLEMENTATIONS = ["reference", "compiled", "contiguous_sdpa"]
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_paged_attention(benchmark, implementation, context):
+    w = _decode(context, QUICK_SEVERAL if quick() else SEVERAL_KV_HEADS)
+    _bench_attention(benchmark, "paged_attention", "paged", implementation, w, w.paged_args())
+
+
+# --------------------------------------------------------------------------- decode_attention
+@pytest.mark.parametrize("path", ["several_kv_heads", "one_kv_head"])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_decode_attention(benchmark, implementation, path):
+    if path == "one_kv_head":
+        shape, context = (QUICK_ONE, 64) if quick() else (ONE_KV_HEAD, ONE_KV_HEAD_CONTEXT)
+    else:
+        shape, context = (QUICK_SEVERAL, main_context()) if quick() else (SEVERAL_KV_HEADS, 4096)
+    w = _decode(context, shape)
+    args = (w.query, w.pool.key, w.pool.value, w.slots)  # a live view: every slot visible
+    _bench_attention(benchmark, "decode_attention", path, implementation, w, args)
+
+
+# --------------------------------------------------------------------------- repack copy
+@pytest.mark.parametrize("implementation", ["copy_slots", "plain_copy"])
+def test_repack_copy(benchmark, implementation):
+    _decode_workloads.clear()
+    shape = QUICK_SEVERAL if quick() else SEVERAL_KV_HEADS
+    w = build_repack(main_context(), shape)
+    pool = w.pool
+    if implementation == "copy_slots":
+        copy_slots = ops.get("copy_slots", "compiled")
+
+        def call() -> None:
+            # Idempotent: sources and destinations are disjoint (vToken I4), so every round
+            # moves the same bytes.
+            copy_slots(pool.key, pool.value, w.src_slots, w.dst_slots)
+
+        call()
+        h_kv, d = shape.num_kv_heads, shape.head_dim
+        for cache in (pool.key, pool.value):
+            rows = cache.view(-1, h_kv, d)  # [S, H_kv, D]
+            torch.testing.assert_close(rows[w.dst_slots], rows[w.src_slots], atol=0, rtol=0)
+    else:
+
+        def call() -> None:
+            w.plain_dst.copy_(w.plain_src)
+
+        call()
+        assert torch.equal(w.plain_dst, w.plain_src)
+    benchmark.extra_info.update(
+        _info(
+            shape,
+            w.context,
+            op="copy_slots",
+            path="repack",
+            implementation=implementation,
+            evict_fraction=w.evict_fraction,
+            moved_rows=w.moved_rows,
+            bytes_moved=w.bytes_moved,
         )
-
-    benchmark.extra_info.update(_decode_info(decode), implementation="contiguous SDPA")
-    benchmark.pedantic(sdpa, rounds=FAST_ROUNDS, warmup_rounds=2)
-    _record_median(benchmark, "sdpa")
-
-
-def test_decode_compiled(benchmark, decode):
-    compiled = ops.get("paged_attention", "compiled")
-    benchmark.extra_info.update(_decode_info(decode), implementation="compiled")
-    # Warm-up rounds compile (torch.compile time is not what this measures).
-    benchmark.pedantic(compiled, args=decode.paged_args(), rounds=FAST_ROUNDS, warmup_rounds=2)
-    median = _record_median(benchmark, "compiled")
-    if median is not None and "reference" in _medians_s:
-        benchmark.extra_info["compiled_over_reference"] = _medians_s["reference"] / median
-    if median is not None and "sdpa" in _medians_s:
-        benchmark.extra_info["compiled_over_contiguous_sdpa"] = median / _medians_s["sdpa"]
-
-
-def test_repack_plain_copy(benchmark, repack):
-    benchmark.extra_info.update(_repack_info(repack), implementation="plain dst.copy_(src)")
-    benchmark.pedantic(
-        repack.plain_dst.copy_, args=(repack.plain_src,), rounds=FAST_ROUNDS, warmup_rounds=2
     )
-    _record_median(benchmark, "plain_copy")
-
-
-def test_repack_copy_slots(benchmark, repack):
-    copy_slots = ops.get("copy_slots", "compiled")
-    pool = repack.pool
-    benchmark.extra_info.update(_repack_info(repack), implementation="compiled copy_slots")
-    # Repeats move the same bytes: sources and destinations are disjoint (vToken I4).
     benchmark.pedantic(
-        copy_slots,
-        args=(pool.key, pool.value, repack.src_slots, repack.dst_slots),
-        rounds=FAST_ROUNDS,
-        warmup_rounds=2,
+        call, rounds=_rounds(implementation), warmup_rounds=WARMUP_ROUNDS, iterations=1
     )
-    median = _record_median(benchmark, "copy_slots")
-    if median is not None:
-        benchmark.extra_info["gb_per_s"] = repack.bytes_moved / median / 1e9
-    if median is not None and "plain_copy" in _medians_s:
-        benchmark.extra_info["bandwidth_fraction"] = _medians_s["plain_copy"] / median
 
 
 # --------------------------------------------------------------------------- the workloads

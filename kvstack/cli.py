@@ -1,8 +1,10 @@
 """The ``kvstack`` command.
 
-    kvstack bench core --out DIR [--quick]   run the core benchmark, write its report, print it
-    kvstack bench vtoken --out DIR [--quick] retained blocks with vs without reclamation (SmolLM2)
-    kvstack bench quality --out DIR [--quick] retrieval accuracy and NLL per policy at 50 % budget
+    kvstack bench SUITE --out DIR [--quick]  run a benchmark (core, vtoken, quality, gpu): its
+                                             report under DIR, its results (full runs) in
+                                             bench/results/SUITE.json, to be committed
+    kvstack figures [--check]                render the README's figure tables from those files;
+                                             --check: fail if one differs or is stale
     kvstack ops                              the op registry: which backends run here, or why not
     kvstack demo [--policy P] [--budget N | --ratio R] [--quick] ...
                                              one long prompt through DynamicCache, PagedCache and
@@ -17,8 +19,23 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
+
+# suite -> (help, what --quick runs)
+BENCH_SUITES = {
+    "core": ("attention ops and the repack copy against baselines of the same run", "tiny sizes"),
+    "vtoken": (
+        "retained KV blocks with reclamation vs Naive-Evict, and generate speed (SmolLM2)",
+        "two short prompts",
+    ),
+    "quality": (
+        "retrieval accuracy and held-out NLL per policy at 50%% budget (SmolLM2)",
+        "three items",
+    ),
+    "gpu": ("generate speed on a CUDA device (SmolLM2 architecture)", "eight new tokens"),
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -27,27 +44,27 @@ def _parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    bench = commands.add_parser("bench", help="run a benchmark and write its report")
+    bench = commands.add_parser(
+        "bench",
+        help="run a benchmark: its report under --out, its results in bench/results/SUITE.json",
+    )
     suites = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
-    core = suites.add_parser(
-        "core", help="decode attention and repack copy against baselines of the same run"
-    )
-    core.add_argument("--out", required=True, type=Path, help="directory for the report")
-    core.add_argument("--quick", action="store_true", help="tiny sizes: checks the pipeline only")
-    vtoken = suites.add_parser(
-        "vtoken", help="retained KV blocks with reclamation vs Naive-Evict, on the real model"
-    )
-    vtoken.add_argument("--out", required=True, type=Path, help="directory for the report")
-    vtoken.add_argument(
-        "--quick", action="store_true", help="two short prompts: checks the pipeline only"
-    )
+    for name, (help_text, quick_text) in BENCH_SUITES.items():
+        suite = suites.add_parser(name, help=help_text)
+        suite.add_argument("--out", required=True, type=Path, help="directory for the report")
+        suite.add_argument(
+            "--quick",
+            action="store_true",
+            help=f"{quick_text}: checks the pipeline only, writes no committed results",
+        )
 
-    quality = suites.add_parser(
-        "quality", help="retrieval accuracy and held-out NLL per policy at 50%% budget (SmolLM2)"
+    figures = commands.add_parser(
+        "figures", help="render the README's figure tables from bench/results/*.json"
     )
-    quality.add_argument("--out", required=True, type=Path, help="directory for the report")
-    quality.add_argument(
-        "--quick", action="store_true", help="three items: checks the pipeline only"
+    figures.add_argument(
+        "--check",
+        action="store_true",
+        help="change nothing; exit 1 if a table differs from its results file or a file is stale",
     )
 
     commands.add_parser("ops", help="list every operation and backend: available, or why not")
@@ -56,42 +73,26 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
+def _demo_option(name: str, parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse type for the demo option ``name``: ``parse`` the text (int, float, Path), then
+    check it with the demo's own rule (``kvstack.demo.check_option``); a rule's error becomes a
+    usage error (exit status 2) that names the option, the value and what was expected."""
 
+    def convert(text: str) -> Any:
+        from kvstack.demo import check_option
+        from kvstack.errors import InvalidArgumentError
 
-def _ratio(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0.0 < value <= 1.0:  # also rejects nan
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
-    return value
+        try:
+            value = parse(text)
+        except ValueError:
+            value = text  # not a number at all: the rule refuses the text itself
+        try:
+            return check_option(name, value)
+        except InvalidArgumentError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
 
-
-def _existing_file(text: str) -> Path:
-    path = Path(text)
-    if not path.is_file():
-        problem = "is not a file" if path.exists() else "does not exist"
-        raise argparse.ArgumentTypeError(f"{text!r} {problem}; expected a UTF-8 text file")
-    return path
-
-
-def _model_dir(text: str) -> Path:
-    path = Path(text)
-    if not (path / "config.json").is_file():
-        problem = "has no config.json" if path.is_dir() else "is not a directory"
-        raise argparse.ArgumentTypeError(
-            f"{text!r} {problem}; expected the directory of a Hugging Face causal LM"
-        )
-    return path
+    convert.__name__ = name  # what argparse calls the type in its own messages
+    return convert
 
 
 def _add_demo_parser(commands: argparse._SubParsersAction) -> None:
@@ -102,42 +103,47 @@ def _add_demo_parser(commands: argparse._SubParsersAction) -> None:
         help="one long prompt through DynamicCache, PagedCache and TokenTableCache",
         description="Greedy generation of one long prompt with DynamicCache, PagedCache and "
         "TokenTableCache (token eviction with reclaimed memory); prints what each generated "
-        "and a table of blocks, KV bytes, live tokens, tokens/s and repacks. The first run "
-        "installs and converts SmolLM2-135M-Instruct (cached for later runs).",
+        "and a table of blocks, KV bytes, live tokens, tokens/s and repacks. SmolLM2-135M-Instruct "
+        "comes from `make install`; the first run converts it (cached for later runs).",
     )
     demo.add_argument(
         "--model-path",
-        type=_model_dir,
+        type=_demo_option("model_path", Path),
         help="directory of a local Hugging Face causal LM to use instead of SmolLM2",
     )
     demo.add_argument(
         "--policy",
-        choices=POLICY_NAMES,
+        type=_demo_option("policy", str),
         default="h2o",
+        metavar="{" + ",".join(POLICY_NAMES) + "}",
         help="eviction policy of the TokenTableCache (%(default)s)",
     )
-    size = demo.add_mutually_exclusive_group()
-    size.add_argument(
-        "--budget", type=_positive_int, help="live tokens kept per token table (instead of --ratio)"
+    demo.add_argument(
+        "--budget",
+        type=_demo_option("budget", int),
+        help="live tokens kept per token table (instead of --ratio)",
     )
-    size.add_argument(
+    demo.add_argument(
         "--ratio",
-        type=_ratio,
+        type=_demo_option("ratio", float),
         help=f"fraction of the prompt kept per token table, in (0, 1] (default {DEFAULT_RATIO})",
     )
     demo.add_argument(
         "--prompt-file",
-        type=_existing_file,
+        type=_demo_option("prompt_file", Path),
         help="UTF-8 text to use as the prompt (default: the built-in handbook and its question)",
     )
     demo.add_argument(
         "--max-new-tokens",
-        type=_positive_int,
+        type=_demo_option("max_new_tokens", int),
         help=f"tokens to generate per cache (default {DEFAULT_NEW_TOKENS}; "
         f"{QUICK_NEW_TOKENS} with --quick)",
     )
     demo.add_argument(
-        "--block-size", type=_positive_int, default=16, help="tokens per block (%(default)s)"
+        "--block-size",
+        type=_demo_option("block_size", int),
+        default=16,
+        help="tokens per block (%(default)s)",
     )
     demo.add_argument(
         "--quick",
@@ -161,8 +167,10 @@ def _run_demo(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         quick=args.quick,
     )
-    try:  # what needs no model (e.g. a budget below what the policy must keep): a usage error
-        check_options(options)
+    # argparse checked each option on its own; the rules across options (one of --budget and
+    # --ratio, a budget the policy can keep) need no model either: a usage error too.
+    try:
+        options = check_options(options)
     except InvalidArgumentError as error:
         args.demo_parser.error(str(error))  # exits with status 2
     run_demo(options)
@@ -170,7 +178,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def _run_bench(name: str, out: Path, quick: bool, argv: Sequence[str]) -> int:
-    """Run benchmark ``name`` (core, vtoken, quality) into ``out`` and print its report."""
+    """Run benchmark ``name`` (a key of BENCH_SUITES) into ``out`` and print its report."""
     import importlib
 
     run = getattr(importlib.import_module(f"kvstack.bench.{name}"), f"run_{name}")
@@ -187,6 +195,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_bench(args.suite, args.out, args.quick, argv)
     if args.command == "demo":
         return _run_demo(args)
+    if args.command == "figures":
+        from kvstack.bench.figures import main as figures_main
+
+        return figures_main(check_only=args.check)
     if args.command == "ops":
         from kvstack import ops
 

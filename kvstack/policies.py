@@ -360,7 +360,18 @@ class SnapKV(EvictionPolicy):
         return torch.empty_like(votes).scatter_(1, order, compact)
 
 
+# The policies by the name the CLI, the demo and the benchmarks use.
+BY_NAME: dict[str, type[EvictionPolicy]] = {
+    "h2o": H2O,
+    "scissorhands": Scissorhands,
+    "random": RandomEviction,
+    "streamingllm": StreamingLLM,
+    "snapkv": SnapKV,
+    "tova": TOVA,
+}
+
 __all__ = [
+    "BY_NAME",
     "H2O",
     "TOVA",
     "EvictionPolicy",

@@ -129,8 +129,8 @@ def test_continuation_nll_is_the_full_cache_nll_when_nothing_is_evicted(
     tight = TokenTableCache(model.config, H2O(), budget=16)
     evicting = quality.continuation_nll(model, context, continuation, tight)
     stats = tight.stats()  # really evicted: 16 of 55 seen tokens per layer ...
-    assert stats["seen_tokens"] == 55
-    assert stats["live_tokens"] == 16 * len(tight.paged_layers)
+    assert stats["seen_tokens_per_sequence"] == 55
+    assert stats["live_tokens_per_layer"] == 16
     assert evicting != pytest.approx(expected, abs=1e-4)  # ... and it shows in the NLL
     model.set_attn_implementation("sdpa")
 
@@ -139,9 +139,11 @@ def test_run_quality_quick_writes_report_and_figures(tmp_path, model_and_tokeniz
     out = tmp_path / "quality"
     figures = quality.run_quality(out, quick=True, model_and_tokenizer=model_and_tokenizer)
 
-    for name in ("report.md", "figures.json", "quality.png", "outputs.json"):
+    for name in ("report.md", "results.json", "quality.png", "outputs.json"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
-    assert json.loads((out / "figures.json").read_text()) == pytest.approx(figures)
+    results = json.loads((out / "results.json").read_text())
+    assert results["quick"] is True and results["suite"] == "quality"
+    assert {name: f["value"] for name, f in results["figures"].items()} == pytest.approx(figures)
     p = "vtoken.quality"
     policies = quality.QUICK.policies
     expected = {f"{p}.accuracy.full", f"{p}.nll.full"}

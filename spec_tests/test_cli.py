@@ -17,8 +17,10 @@ from kvstack.cli import main
 from kvstack.errors import InvalidArgumentError
 
 HEADLINE_FIGURES = (
-    "decode_attention.compiled_over_reference",
-    "decode_attention.compiled_over_contiguous_sdpa",
+    "paged_attention.compiled_over_reference",
+    "paged_attention.compiled_over_contiguous_sdpa",
+    "decode_attention.several_kv_heads.compiled_over_contiguous_sdpa",
+    "decode_attention.one_kv_head.compiled_over_contiguous_sdpa",
     "repack.bandwidth_fraction",
 )
 
@@ -34,17 +36,44 @@ def quick_run(tmp_path_factory):
     return out, printed.getvalue()
 
 
-def test_bench_core_quick_writes_figures_with_headline_names(quick_run):
+def test_bench_core_quick_writes_results_with_headline_names_from_pytest_benchmark(quick_run):
     out, _ = quick_run
-    figures = json.loads((out / "figures.json").read_text())
+    results = json.loads((out / "results.json").read_text())
+    assert results["suite"] == "core" and results["quick"] is True
+    figures = {name: f["value"] for name, f in results["figures"].items()}
     for name in HEADLINE_FIGURES:
-        assert name in figures, f"{name} missing from figures.json: {sorted(figures)}"
+        assert name in figures, f"{name} missing from results.json: {sorted(figures)}"
         assert math.isfinite(figures[name]) and figures[name] > 0, (name, figures[name])
+        assert results["figures"][name]["target"] is not None, name
     # Quick contexts are 64 and 128; the headline figures are the 128 ones.
-    assert figures["decode_attention.compiled_over_reference"] == pytest.approx(
-        figures["decode_attention.compiled_over_reference.ctx128"]
+    assert figures["paged_attention.compiled_over_reference"] == pytest.approx(
+        figures["paged_attention.compiled_over_reference.ctx128"]
     )
-    assert all(isinstance(value, float) for value in figures.values())
+    # The ratios are pytest-benchmark's medians, as recorded beside them.
+    benchmarks = json.loads((out / "pytest-benchmark.json").read_text())["benchmarks"]
+    median = {
+        (b["extra_info"]["op"], b["extra_info"]["path"], b["extra_info"]["implementation"]): b[
+            "stats"
+        ]["median"]
+        for b in benchmarks
+        if b["extra_info"]["context"] in (64, 128) and b["extra_info"]["op"] == "decode_attention"
+    }
+    ratio = (
+        median[("decode_attention", "one_kv_head", "compiled")]
+        / median[("decode_attention", "one_kv_head", "contiguous_sdpa")]
+    )
+    assert figures["decode_attention.one_kv_head.compiled_over_contiguous_sdpa"] == pytest.approx(
+        ratio
+    )
+    # Both code paths of the registered decode_attention op were benchmarked.
+    assert {b["extra_info"]["path"] for b in benchmarks} == {
+        "paged",
+        "several_kv_heads",
+        "one_kv_head",
+        "repack",
+    }
+    assert results["workload"]["decode_attention.one_kv_head"]["num_kv_heads"] == 1
+    assert results["workload"]["decode_attention.several_kv_heads"]["num_kv_heads"] > 1
 
 
 def test_bench_core_quick_writes_report_and_plot_and_prints_report(quick_run):
@@ -54,7 +83,26 @@ def test_bench_core_quick_writes_report_and_plot_and_prints_report(quick_run):
     assert f"kvstack bench core --quick --out {out}" in report  # the command that produced it
     for name in HEADLINE_FIGURES:
         assert f"`{name}`" in report
-    assert (out / "decode_attention.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "core.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_wrong_implementation_fails_the_core_benchmark_instead_of_being_timed(
+    tmp_path, monkeypatch
+):
+    from kvstack.bench import core
+    from kvstack.errors import KVStackError
+
+    op = ops.operations()["paged_attention"]
+    right = op.implementations["compiled"]
+
+    def off_by_one_percent(*args, **kwargs):
+        result = right(*args, **kwargs)
+        return result._replace(out=result.out * 1.01)
+
+    monkeypatch.setitem(op.implementations, "compiled", off_by_one_percent)
+    with pytest.raises(KVStackError, match="the core microbenchmarks failed"):
+        core.run_core(tmp_path / "out", quick=True)
+    assert not (tmp_path / "out").exists()
 
 
 def test_ops_prints_every_operation_and_backend(capsys):

@@ -17,6 +17,7 @@ import pytest
 from kvstack import demo
 from kvstack.cli import main
 from kvstack.demo import POLICY_NAMES, QUICK_NEW_TOKENS, make_policy, read_prompt
+from kvstack.errors import InvalidArgumentError
 from kvstack.models import smollm2_cache_dir
 from kvstack.policies import EvictionPolicy
 
@@ -170,12 +171,27 @@ def test_quick_prompt_keeps_the_question():
 
 
 def test_every_policy_name_builds_a_policy():
+    from kvstack.bench.quality import POLICIES
+    from kvstack.policies import BY_NAME
+
+    # The names the CLI offers (kept import-light in kvstack.demo) are the registry's.
+    assert POLICY_NAMES == tuple(BY_NAME) == POLICIES
     for name in POLICY_NAMES:
+        assert type(make_policy(name)) is BY_NAME[name], name
         assert isinstance(make_policy(name), EvictionPolicy), name
 
 
 # ---------------------------------------------------------------------------------------------
-# Bad options: exit status 2, a message naming the option and the value, nothing run.
+# Bad options: exit status 2, a message naming the option and the value, nothing run. One rule per
+# option (kvstack.demo.check_option) words the message for the CLI and the Python API alike.
+
+
+def shown(text: str, parse) -> str:
+    """How the rule names a command-line value: as parsed (``0.0``), or the text if unparsable."""
+    try:
+        return repr(parse(text))
+    except ValueError:
+        return repr(text)
 
 
 def rejected(capsys, argv: list[str]) -> str:
@@ -195,7 +211,8 @@ def test_unknown_policy_is_rejected(capsys):
 @pytest.mark.parametrize("value", ["0", "-3", "many", "2.5"])
 def test_budget_that_is_not_a_positive_integer_is_rejected(capsys, value):
     err = rejected(capsys, ["--budget", value])
-    assert "argument --budget" in err and repr(value) in err and "integer >= 1" in err
+    assert "argument --budget" in err and f"budget={shown(value, int)};" in err
+    assert "expected an integer >= 1" in err
 
 
 def test_budget_below_what_the_policy_keeps_is_rejected(capsys):
@@ -206,12 +223,13 @@ def test_budget_below_what_the_policy_keeps_is_rejected(capsys):
 @pytest.mark.parametrize("value", ["0", "1.5", "-0.1", "nan", "half"])
 def test_ratio_out_of_range_is_rejected(capsys, value):
     err = rejected(capsys, ["--ratio", value])
-    assert "argument --ratio" in err and repr(value) in err and "(0, 1]" in err
+    assert "argument --ratio" in err and f"ratio={shown(value, float)};" in err
+    assert "expected a number in (0, 1]" in err
 
 
 def test_budget_and_ratio_together_are_rejected(capsys):
     err = rejected(capsys, ["--budget", "64", "--ratio", "0.5"])
-    assert "--ratio" in err and "--budget" in err and "not allowed" in err
+    assert "budget=64 and ratio=0.5 were both given; expected one of them" in err
 
 
 def test_missing_prompt_file_is_rejected(capsys, tmp_path):
@@ -241,4 +259,32 @@ def test_model_path_without_a_model_is_rejected(capsys, tmp_path):
 @pytest.mark.parametrize("option", ["--max-new-tokens", "--block-size"])
 def test_sizes_below_one_are_rejected(capsys, option):
     err = rejected(capsys, [option, "0"])
-    assert f"argument {option}" in err and "'0'" in err
+    name = option.removeprefix("--").replace("-", "_")
+    assert f"argument {option}" in err and f"{name}=0; expected an integer >= 1" in err
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("policy", "lru", "policy='lru'; expected one of h2o"),
+        ("budget", 0, "budget=0; expected an integer >= 1"),
+        ("budget", 2.5, "budget=2.5; expected an integer >= 1"),
+        ("ratio", 1.5, "ratio=1.5; expected a number in (0, 1]"),
+        ("ratio", float("nan"), "ratio=nan; expected a number in (0, 1]"),
+        ("max_new_tokens", 0, "max_new_tokens=0; expected an integer >= 1"),
+        ("block_size", True, "block_size=True; expected an integer >= 1"),
+        ("prompt_file", "/no/such/prompt.txt", "prompt_file='/no/such/prompt.txt' does not exist"),
+        ("model_path", "/no/such/model", "model_path='/no/such/model' is not a directory"),
+    ],
+)
+def test_python_api_is_refused_by_the_same_rules(field, value, expected):
+    with pytest.raises(InvalidArgumentError) as caught:
+        demo.run_demo(demo.DemoOptions(**{field: value}), say=pytest.fail)
+    assert expected in str(caught.value)
+
+
+def test_python_api_refuses_a_budget_the_policy_cannot_keep_and_both_sizes():
+    with pytest.raises(InvalidArgumentError, match=r"budget=3; expected an integer >= 5"):
+        demo.check_options(demo.DemoOptions(policy="streamingllm", budget=3))
+    with pytest.raises(InvalidArgumentError, match="were both given; expected one of them"):
+        demo.check_options(demo.DemoOptions(budget=64, ratio=0.5))

@@ -110,10 +110,12 @@ def test_greedy_tokens_equal_dynamic_cache(family, reference_attn, keyword):
     got = generate(model, ids, cache, keyword)
     assert torch.equal(got, expected)
     stats = cache.stats()
-    assert stats["seen_tokens"] == 40 + 24 - 1  # the last generated token is never fed back
+    seen = stats["seen_tokens_per_sequence"]
+    assert seen == 40 + 24 - 1  # the last generated token is never fed back
     layers = TINY["num_hidden_layers"]
-    assert stats["live_tokens"] == layers * stats["seen_tokens"]
-    assert stats["blocks_allocated"] == layers * -(-stats["seen_tokens"] // 16)
+    assert stats["live_tokens_per_layer"] == seen  # one row, nothing evicted
+    assert stats["live_tokens_all_layers"] == layers * seen
+    assert stats["blocks_allocated"] == layers * -(-seen // 16)
 
 
 @pytest.mark.parametrize("block_size", [1, 7, 16])

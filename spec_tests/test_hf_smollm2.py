@@ -62,7 +62,9 @@ def test_smollm2_greedy_tokens_equal_dynamic_cache(model_and_tokenizer, referenc
     got = greedy(model, inputs, cache, "kvstack")
     assert torch.equal(got, expected), tokenizer.decode(got[0, inputs["input_ids"].shape[1] :])
     stats = cache.stats()
-    assert stats["live_tokens"] == 30 * stats["seen_tokens"]  # 30 layers, nothing evicted
+    seen = stats["seen_tokens_per_sequence"]
+    assert stats["live_tokens_per_layer"] == seen  # one row, nothing evicted
+    assert stats["live_tokens_all_layers"] == 30 * seen  # 30 layers
 
 
 def test_smollm2_batch_of_three_with_left_padding(model_and_tokenizer):

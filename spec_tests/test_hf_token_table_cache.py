@@ -70,7 +70,8 @@ def test_reclaim_gives_naive_evict_tokens_in_fewer_bytes(name):
         "reclamation must not change what the model reads"
     )
     reclaimed, naive = caches[True].stats(), caches[False].stats()
-    assert reclaimed["live_tokens"] == naive["live_tokens"] == 2 * 24  # 2 layers at budget
+    assert reclaimed["live_tokens_all_layers"] == naive["live_tokens_all_layers"] == 2 * 24
+    assert reclaimed["live_tokens_per_layer"] == 24  # one row at its budget in each layer
     assert reclaimed["bytes"] < naive["bytes"]
     assert reclaimed["repacks"] > 0 and naive["repacks"] == 0
     for layer in caches[True].paged_layers:
@@ -215,3 +216,34 @@ def test_observing_a_prefill_in_query_chunks_decides_as_at_once(name, monkeypatc
     assert torch.equal(kept[7][0], kept[1024][0])
     for chunked, whole in zip(kept[7][1], kept[1024][1], strict=True):
         assert torch.equal(chunked, whole)
+
+
+def test_stats_keys_are_the_documented_ones_with_their_units():
+    from kvstack.hf import paged, token_table_cache
+
+    layers, budget, new_tokens = 3, 12, 6
+    model, ids = tiny_llama(layers=layers), prompt(length=40, batch=2)
+    seen = ids.shape[1] + new_tokens - 1  # the last generated token is never fed back
+    # (cache, its units, live tokens per layer over the 2 rows): PagedCache keeps every token
+    # seen; H2O keeps one table per row and KV head, each at the budget (1/heads a token).
+    cases = [
+        (lambda: PagedCache(model.config, block_size=4), paged.STATS_UNITS, 2 * seen),
+        (
+            lambda: TokenTableCache(model.config, H2O(), budget=budget, block_size=4),
+            token_table_cache.STATS_UNITS,
+            2 * budget,
+        ),
+    ]
+    for make, units, per_layer in cases:
+        empty = make()
+        assert set(empty.stats()) == set(units), type(empty).__name__
+        for key in units:
+            assert f"``{key}``: {units[key]}" in type(empty).stats.__doc__, key
+        cache = make()
+        generate(model, ids, cache, max_new_tokens=new_tokens)
+        stats = cache.stats()
+        assert set(stats) == set(units)
+        assert stats["seen_tokens_per_sequence"] == seen
+        assert stats["live_tokens_per_layer"] == per_layer
+        assert stats["live_tokens_all_layers"] == per_layer * layers
+    assert token_table_cache.STATS_UNITS.keys() - paged.STATS_UNITS.keys() == {"repack_seconds"}

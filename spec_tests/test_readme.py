@@ -19,8 +19,10 @@ def test_readme_hf_example_runs():
     namespace: dict = {}
     exec(compile(python_blocks()[0], str(README), "exec"), namespace)
     stats = namespace["cache"].stats()
+    assert set(stats) == set(namespace["cache"].STATS_UNITS)  # the comment's promise
     budget = math.ceil(0.5 * namespace["ids"].shape[1])  # ratio=0.5 of the prompt, per table
-    assert stats["live_tokens"] == 30 * budget  # 30 layers, each at its budget
+    assert stats["live_tokens_per_layer"] == budget  # one row, each layer at its budget
+    assert stats["live_tokens_all_layers"] == 30 * budget  # 30 layers
     assert stats["bytes"] < namespace["paged"].stats()["bytes"]
 
 

@@ -11,9 +11,11 @@ slots in logical order.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import event, given
 from hypothesis import strategies as st
 
 from kvstack.compiled.token_tables import TokenTableBatch
@@ -56,7 +58,7 @@ def assert_same(batch: TokenTableBatch, batch_pool, tables, table_pool) -> None:
 def test_batch_follows_the_reference_tables_through_random_operations(data):
     num_tables = data.draw(st.integers(1, 4), label="num_tables")
     block_size = data.draw(st.sampled_from([1, 2, 4, 8]), label="block_size")
-    num_blocks = 64
+    num_blocks = data.draw(st.sampled_from([8, 64]), label="num_blocks")  # 8: appends run out
     order = data.draw(st.permutations(range(num_blocks)), label="free_list")
     batch_pool, table_pool = (
         make_pool(num_blocks, block_size, order),
@@ -74,13 +76,17 @@ def test_batch_follows_the_reference_tables_through_random_operations(data):
             n = data.draw(st.integers(0, 5), label="n")
             key = torch.randn(num_tables, n, HEADS, DIM, generator=gen)
             value = torch.randn(num_tables, n, HEADS, DIM, generator=gen)
-            if not batch_pool.can_allocate(batch.blocks_needed(n)):
+            # The reference's need: each table fills its released slots first, then new blocks.
+            needed = sum(math.ceil(max(0, n - len(t.free_slots)) / block_size) for t in tables)
+            assert batch.blocks_needed(n) == needed
+            if table_pool.can_allocate(needed):
+                for index, table in enumerate(tables):
+                    table.append(table_pool, key[index], value[index])
+                batch.append(batch_pool, key, value)
+            else:  # all tables or none: refused, and assert_same below sees the batch unchanged
                 with pytest.raises(PoolExhausted):
                     batch.append(batch_pool, key, value)
-                continue  # and the batch must be as it was
-            for index, table in enumerate(tables):
-                table.append(table_pool, key[index], value[index])
-            batch.append(batch_pool, key, value)
+                event("append refused: pool exhausted")
         elif op == "evict":
             release = data.draw(st.booleans(), label="release")
             victims = torch.zeros(num_tables, batch.num_tokens, dtype=torch.bool)
@@ -93,13 +99,25 @@ def test_batch_follows_the_reference_tables_through_random_operations(data):
                 table.evict(chosen, release=release)
             batch.evict(victims, release=release)
         elif op == "evict_one_each":  # a decode step's eviction: one token from every table
-            if min(table.num_live for table in tables) == 0:
-                continue
             release = data.draw(st.booleans(), label="release")
-            chosen = [data.draw(st.sampled_from(t.live_indices().tolist())) for t in tables]
-            for table, index in zip(tables, chosen, strict=True):
-                table.evict([index], release=release)
-            batch.evict_one_each(torch.tensor(chosen), release=release)
+            if min(table.num_live for table in tables) > 0:
+                chosen = [data.draw(st.sampled_from(t.live_indices().tolist())) for t in tables]
+                for table, index in zip(tables, chosen, strict=True):
+                    table.evict([index], release=release)
+                batch.evict_one_each(torch.tensor(chosen), release=release)
+            else:  # a table with no live token: refused, and assert_same sees nothing changed
+                any_index = st.integers(0, max(0, batch.num_tokens - 1))
+                chosen = [
+                    data.draw(
+                        st.sampled_from(t.live_indices().tolist()) if t.num_live else any_index
+                    )
+                    for t in tables
+                ]
+                # Index 0 of no token is out of range; any index of a table with none live is dead.
+                error = DeadTokenError if batch.num_tokens else InvalidArgumentError
+                with pytest.raises(error):
+                    batch.evict_one_each(torch.tensor(chosen), release=release)
+                event(f"evict_one_each refused: {error.__name__}")
         else:
             index = data.draw(st.integers(0, num_tables - 1), label="table")
             plan = plan_repack(tables[index], force=True)

@@ -10,6 +10,7 @@ it gathers the rows back into the contiguous [B, H_kv, T, D] tensors transformer
 ``PagedCache`` never evicts, so greedy ``generate`` gives exactly the tokens ``DynamicCache``
 gives. Padding of left-padded batches is evicted at prefill by the kvstack attention function.
 ``get_seq_length()`` is the number of tokens *seen* (what transformers uses for positions).
+``stats()`` gives exact memory counts, each key in the unit :data:`STATS_UNITS` states.
 """
 
 from __future__ import annotations
@@ -35,6 +36,28 @@ from kvstack.reference.token_table import TokenTable
 
 # The layer classes DynamicCache uses for plain (full or sliding) attention: the ones we page.
 _ATTENTION_LAYER_TYPES = (DynamicLayer, DynamicSlidingWindowLayer)
+
+STATS_UNITS: dict[str, str] = {
+    "blocks_allocated": "blocks held, summed over attention layers, rows and token tables (a "
+    "per-head table's blocks hold one KV head each)",
+    "bytes": "bytes of K and V in the blocks held, whole cache",
+    "live_tokens_all_layers": "live token-equivalents, summed over attention layers and rows "
+    "(a token of a per-head table counts 1 / KV heads)",
+    "live_tokens_per_layer": "live token-equivalents per attention layer: the mean over "
+    "attention layers, summed over rows",
+    "seen_tokens_per_sequence": "tokens each row has seen, evicted ones included (Hugging "
+    "Face's get_seq_length)",
+    "repacks": "repacks run, summed over layers (0: PagedCache never evicts)",
+    "waste": "1 - live / capacity over all blocks held (a fraction in [0, 1])",
+}
+"""Every key of :meth:`PagedCache.stats` and its unit; ``TokenTableCache`` adds its own."""
+
+
+def stats_doc(summary: str, units: dict[str, str]) -> str:
+    """A ``stats()`` docstring: ``summary``, then one line per key and its unit."""
+    return f"{summary}, one number per key:\n\n" + "\n".join(
+        f"* ``{key}``: {unit}." for key, unit in units.items()
+    )
 
 
 class PagedLayer(CacheLayerMixin):
@@ -266,6 +289,8 @@ class PagedCache(Cache):
     >>> model.generate(ids, past_key_values=cache, max_new_tokens=32)
     """
 
+    STATS_UNITS = STATS_UNITS  # stats() key -> its unit
+
     layer_class = PagedLayer
 
     def __init__(self, config: Any, *, block_size: int = 16, **layer_kwargs: Any) -> None:
@@ -323,7 +348,6 @@ class PagedCache(Cache):
         return getattr(self.config, "_attn_implementation", None) == kv_attention.ATTENTION_NAME
 
     def stats(self) -> dict[str, float]:
-        """Exact memory counts over all paged layers (blocks held by tables, not pool capacity)."""
         blocks = live_entries = capacity = 0
         total_bytes = live_tokens = 0.0
         for layer in self.paged_layers:
@@ -340,11 +364,20 @@ class PagedCache(Cache):
             capacity += layer_blocks * self.block_size
             live_entries += layer_live
             live_tokens += layer_live / layer.groups  # per-head tables: token-equivalents
+        attention_layers = len(self.paged_layers)
         return {
-            "blocks_allocated": blocks,  # all layers and tables (per-head tables: 1-head blocks)
-            "live_tokens": live_tokens,  # all layers and rows
-            "seen_tokens": max((layer.get_seq_length() for layer in self.paged_layers), default=0),
+            "blocks_allocated": blocks,
+            "bytes": int(total_bytes),
+            "live_tokens_all_layers": live_tokens,
+            "live_tokens_per_layer": live_tokens / attention_layers if attention_layers else 0.0,
+            "seen_tokens_per_sequence": max(
+                (layer.get_seq_length() for layer in self.paged_layers), default=0
+            ),
             "repacks": 0,
-            "bytes": int(total_bytes),  # K and V bytes of the blocks held
             "waste": 1.0 - live_entries / capacity if capacity else 0.0,
         }
+
+    stats.__doc__ = stats_doc(
+        "Exact memory counts over all paged layers (blocks held by tables, not pool capacity)",
+        STATS_UNITS,
+    )

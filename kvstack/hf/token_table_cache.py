@@ -28,9 +28,18 @@ import torch
 
 from kvstack import ops
 from kvstack.errors import InvalidArgumentError
-from kvstack.hf.paged import PagedCache, PagedLayer
+from kvstack.hf.paged import STATS_UNITS as PAGED_STATS_UNITS
+from kvstack.hf.paged import PagedCache, PagedLayer, stats_doc
 from kvstack.policies import EvictionPolicy
 from kvstack.reference.repack import DEFAULT_WASTE_THRESHOLD, execute_repack, plan_repack
+
+STATS_UNITS: dict[str, str] = {
+    **PAGED_STATS_UNITS,
+    "repacks": "repacks run, summed over layers and token tables",
+    "repack_seconds": "wall seconds spent deciding, planning and copying repacks, summed over "
+    "layers",
+}
+"""Every key of :meth:`TokenTableCache.stats` and its unit (``PagedCache``'s keys and one more)."""
 
 
 class TokenTableLayer(PagedLayer):
@@ -92,6 +101,14 @@ class TokenTableLayer(PagedLayer):
                     self._maybe_repack(index)
 
     def _maybe_repack(self, index: int) -> None:
+        # Everything repacking costs is timed: the check, the plan and the copy.
+        start = time.perf_counter()
+        try:
+            self._repack_if_worth_it(index)
+        finally:
+            self.repack_seconds += time.perf_counter() - start
+
+    def _repack_if_worth_it(self, index: int) -> None:
         batch = self.batch
         blocks = len(batch.blocks[index])
         # plan_repack's own conditions, checked first so that most tables cost no copy.
@@ -103,10 +120,8 @@ class TokenTableLayer(PagedLayer):
         plan = plan_repack(table, threshold=self.cache.repack_threshold)
         if plan is None:
             return
-        start = time.perf_counter()
         execute_repack(table, self.pool, plan, copy=ops.get("copy_slots"))
         batch.set_table(index, table)
-        self.repack_seconds += time.perf_counter() - start
         self.repacks += 1
 
     def _select_rows(self, rows: list[int]) -> None:
@@ -126,6 +141,8 @@ class TokenTableCache(PagedCache):
 
     ``budget``: live tokens kept per table; ``ratio``: a fraction of each row's prompt instead.
     """
+
+    STATS_UNITS = STATS_UNITS  # stats() key -> its unit
 
     layer_class = TokenTableLayer
 
@@ -181,3 +198,9 @@ class TokenTableCache(PagedCache):
         stats["repacks"] = sum(layer.repacks for layer in self.paged_layers)
         stats["repack_seconds"] = sum(layer.repack_seconds for layer in self.paged_layers)
         return stats
+
+    stats.__doc__ = stats_doc(
+        "Exact memory counts over all paged layers (blocks held by tables, not pool capacity), "
+        "and what repacking did",
+        STATS_UNITS,
+    )

@@ -1,0 +1,172 @@
+"""``kvstack figures``: README tables rendered from results files, and a check that can fail.
+
+The results here are built through the core suite's own code from a synthetic pytest-benchmark
+JSON (known medians, so the ratios are known), not read from the committed files: the tests
+hold whatever is committed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from kvstack.bench import core, figures
+from kvstack.bench.suite import REPO_ROOT, Figure, provenance
+
+IMPLEMENTATIONS = {"reference": 10.0, "compiled": 1.0, "contiguous_sdpa": 2.0}  # ms
+
+
+def _benchmark_json() -> dict:
+    benchmarks = []
+
+    def add(op, path, implementation, context, ms, **more):
+        info = {"op": op, "path": path, "implementation": implementation, "context": context}
+        info.update(batch=8, num_query_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
+        info.update(dtype="torch.float32", threads=1, **more)
+        benchmarks.append(
+            {
+                "name": f"{op}-{path}-{implementation}-{context}",
+                "extra_info": info,
+                "stats": {"median": ms / 1e3, "rounds": 3},
+            }
+        )
+
+    for context in (1024, 4096, 8192):
+        for implementation, ms in IMPLEMENTATIONS.items():
+            add("paged_attention", "paged", implementation, context, ms * context / 4096)
+    for path in ("several_kv_heads", "one_kv_head"):
+        for implementation, ms in IMPLEMENTATIONS.items():
+            add("decode_attention", path, implementation, 4096, ms)
+    for implementation, ms in (("copy_slots", 4.0), ("plain_copy", 2.0)):
+        add("copy_slots", "repack", implementation, 4096, ms, moved_rows=100, bytes_moved=8e6)
+    return {"benchmarks": benchmarks}
+
+
+def _results(commit: str) -> dict:
+    measured, workload = core._figures(_benchmark_json(), quick=False)
+    return {
+        "suite": "core",
+        "quick": False,
+        "commit": commit,
+        "dirty": False,
+        "dirty_dependencies": [],
+        "machine": {"cpu": "test CPU", "cores": 2, "torch_threads": 1, "gpu": None},
+        "versions": {"python": "3", "torch": "2", "transformers": "5"},
+        "command": "kvstack bench core --out DIR",
+        "date": "2026-01-01T00:00:00Z",
+        "wall_seconds": 60.0,
+        "depends_on": list(core.DEPENDS_ON),
+        "workload": workload,
+        "figures": {name: f.record() for name, f in measured.items()},
+    }
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def _write(tmp_path, results: dict, readme_text: str):
+    results_dir = tmp_path / "results"
+    results_dir.mkdir()
+    (results_dir / "core.json").write_text(json.dumps(results))
+    readme = tmp_path / "README.md"
+    readme.write_text(readme_text)
+    return readme, results_dir
+
+
+README = "# x\n\nText.\n\n<!-- figures: core -->\n<!-- /figures -->\n\nMore text.\n"
+
+
+def test_core_ratios_come_from_the_medians():
+    measured, _ = core._figures(_benchmark_json(), quick=False)
+    value = {name: f.value for name, f in measured.items()}
+    assert value["paged_attention.compiled_over_reference"] == pytest.approx(10.0)
+    assert value["paged_attention.compiled_over_contiguous_sdpa"] == pytest.approx(0.5)
+    assert value["decode_attention.one_kv_head.compiled_over_reference"] == pytest.approx(10.0)
+    assert value["repack.bandwidth_fraction"] == pytest.approx(0.5)  # half the plain copy's
+    assert value["repack.copy_slots_gb_per_s"] == pytest.approx(8e6 / 1e9 / 4e-3)
+    assert measured["repack.bandwidth_fraction"].met() is False  # target >= 0.7
+    assert measured["paged_attention.compiled_over_reference"].met() is True  # >= 10
+
+
+def test_render_fills_the_block_and_check_passes_on_a_current_readme(tmp_path):
+    results = _results(_git("rev-parse", "HEAD"))
+    readme, results_dir = _write(tmp_path, results, README)
+    rendered, problems = figures.render(readme.read_text(), figures.load_results(results_dir))
+    assert problems == []
+    assert "| `paged_attention.compiled_over_reference` | 10 | >= 10 | met |" in rendered
+    assert "| `repack.bandwidth_fraction` | 0.5 | >= 0.7 | missed |" in rendered
+    assert rendered.startswith("# x\n\nText.\n") and rendered.endswith("More text.\n")
+    readme.write_text(rendered)
+    assert figures.render(rendered, figures.load_results(results_dir))[0] == rendered  # stable
+    problems = figures.check(readme, results_dir)
+    assert [p for p in problems if "differs" in p or "typed" in p] == []
+
+
+def test_check_fails_when_a_readme_figure_is_edited(tmp_path):
+    results = _results(_git("rev-parse", "HEAD"))
+    readme, results_dir = _write(tmp_path, results, README)
+    rendered, _ = figures.render(README, figures.load_results(results_dir))
+    readme.write_text(rendered.replace("| 10 | >= 10 | met |", "| 12 | >= 10 | met |"))
+    problems = figures.check(readme, results_dir)
+    assert any("README block 'core' differs from bench/results/core.json" in p for p in problems)
+    assert figures.main(True, readme, results_dir) == 1
+    readme.write_text(rendered)
+    assert figures.main(False, readme, results_dir) == 0  # regenerates
+
+
+def test_check_fails_on_a_figure_typed_outside_the_blocks(tmp_path):
+    results = _results(_git("rev-parse", "HEAD"))
+    readme, results_dir = _write(tmp_path, results, README + "\nDecode is 0.92x as fast.\n")
+    readme.write_text(figures.render(readme.read_text(), figures.load_results(results_dir))[0])
+    problems = figures.check(readme, results_dir)
+    assert any("'0.92x' looks typed by hand" in p for p in problems), problems
+    # Parameters in code are not figures.
+    assert figures.typed_figures("Run `--ratio 0.5` with `repack_threshold=0.25`.\n") == []
+    assert figures.typed_figures("It takes 38 ms per step.\n") != []
+
+
+def test_results_measured_before_a_dependency_changed_are_stale():
+    first = _git("rev-list", "--max-parents=0", "HEAD")
+    results = _results(first)
+    results["depends_on"] = ["README.md"]  # certainly changed since the first commit
+    problems = figures.stale("core", results)
+    assert any("is stale" in p and "README.md" in p for p in problems), problems
+
+
+def test_results_at_head_with_unchanged_dependencies_are_not_stale():
+    results = _results(_git("rev-parse", "HEAD"))
+    dirty = _git("status", "--porcelain", "--", *core.DEPENDS_ON)
+    if dirty:
+        pytest.skip(f"uncommitted changes to the core suite's dependencies: {dirty.split()[:4]}")
+    assert figures.stale("core", results) == []
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        ({"commit": "0" * 40}, "is not in this repository"),
+        ({"quick": True}, "is a --quick run"),
+        ({"dirty_dependencies": ["compiled/attention.py"]}, "uncommitted changes to"),
+    ],
+)
+def test_results_that_cannot_be_trusted_are_reported(change, expected):
+    results = {**_results(_git("rev-parse", "HEAD")), **change}
+    assert any(expected in p for p in figures.stale("core", results))
+
+
+def test_provenance_names_commit_machine_and_versions():
+    record = provenance(core.DEPENDS_ON)
+    assert record["commit"] == _git("rev-parse", "HEAD")
+    assert set(record["machine"]) >= {"cpu", "cores", "torch_threads", "gpu"}
+    assert set(record["versions"]) == {"python", "torch", "transformers"}
+    assert isinstance(record["dirty"], bool) and isinstance(record["dirty_dependencies"], list)
+
+
+def test_a_nan_never_meets_its_target():
+    assert Figure(float("nan"), "ratio", "x", (">=", 0.0)).met() is False
+    assert Figure(1.0, "ratio", "x", None).met() is None
