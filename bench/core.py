@@ -25,7 +25,15 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from kvstack.bench.suite import OPS_CODE, REPO_ROOT, Figure, Measured, format_value, run_suite
+from kvstack.bench.suite import (
+    OPS_CODE,
+    REPO_ROOT,
+    Figure,
+    Measured,
+    figure_table,
+    format_value,
+    run_suite,
+)
 from kvstack.errors import KVStackError
 
 NAME = "core"
@@ -126,7 +134,7 @@ def _figures(benchmark_json: dict, quick: bool) -> tuple[dict[str, Figure], dict
         for impl, ms in t.items():
             add(f"paged_attention.{impl}_ms.ctx{ctx}", ms, "ms", f"median, context {ctx}")
 
-    for path in ("several_kv_heads", "one_kv_head"):
+    for path in PATHS:
         ((ctx,),) = [{k[3] for k in medians if k[:2] == ("decode_attention", path)}]
         t = {impl: medians[("decode_attention", path, impl, ctx)] for impl in IMPLEMENTATIONS}
         what = f"decode_attention ({path.replace('_', ' ')} per table)"
@@ -163,6 +171,7 @@ def _figures(benchmark_json: dict, quick: bool) -> tuple[dict[str, Figure], dict
 
 
 IMPLEMENTATIONS = ("reference", "compiled", "contiguous_sdpa")
+PATHS = ("several_kv_heads", "one_kv_head")  # decode_attention's two code paths
 
 
 def measure(quick: bool, log: Callable[[str], None]) -> Measured:
@@ -212,7 +221,7 @@ def _sections(figures: dict[str, Figure], workload: dict) -> list[str]:
             f"{f['compiled']:.2f} | {f['contiguous_sdpa']:.2f} | "
             f"{f['reference'] / f['compiled']:.1f} | {f['compiled'] / f['contiguous_sdpa']:.2f} |"
         )
-    for path in ("several_kv_heads", "one_kv_head"):
+    for path in PATHS:
         w = workload[f"decode_attention.{path}"]
         f = {k: figures[f"decode_attention.{path}.{k}_ms"].value for k in IMPLEMENTATIONS}
         lines.append(
@@ -259,28 +268,34 @@ def _plot(figures: dict[str, Figure], workload: dict, path: Path) -> None:
 
 
 def readme_tables(results: dict) -> dict[str, str]:
-    """The README's core table, from a results file."""
-    f = results["figures"]
-    rows = [
-        "| figure | measured | target | |",
-        "|---|---:|---|---|",
+    """The README's core tables, from a results file."""
+    f, w = results["figures"], results["workload"]
+    names = [
+        *TARGETS,
+        *(f"decode_attention.{path}.compiled_over_reference" for path in PATHS),
     ]
-    for name in TARGETS:
-        rows.append(_row(name, f[name]))
-    for path in ("several_kv_heads", "one_kv_head"):
-        rows.append(
-            _row(
-                f"decode_attention.{path}.compiled_over_reference",
-                f[f"decode_attention.{path}.compiled_over_reference"],
+    contexts = w["paged_attention"]["contexts"]
+    per_context = [
+        "| `paged_attention`, context | " + " | ".join(map(str, contexts)) + " |",
+        "|---|" + "---:|" * len(contexts),
+    ]
+    for ratio in ("compiled_over_reference", "compiled_over_contiguous_sdpa"):
+        per_context.append(
+            f"| `{ratio}` | "
+            + " | ".join(
+                format_value(f[f"paged_attention.{ratio}.ctx{c}"]["value"], "ratio")
+                for c in contexts
             )
+            + " |"
         )
-    return {"core": "\n".join(rows)}
-
-
-def _row(name: str, figure: dict) -> str:
-    from kvstack.bench.suite import met_text, target_text
-
-    return (
-        f"| `{name}` | {format_value(figure['value'], figure['unit'])} | "
-        f"{target_text(figure['target'])} | {met_text(figure['met'])} |"
+    p, one, r = w["paged_attention"], w["decode_attention.one_kv_head"], w["repack"]
+    workload = (
+        f"Workload: fp32, {p['threads']} torch thread(s); `paged_attention` and "
+        f"`decode_attention` (several KV heads) batch {p['batch']}, {p['num_query_heads']} "
+        f"query / {p['num_kv_heads']} KV heads, head_dim {p['head_dim']}, block size "
+        f"{p['block_size']}; `decode_attention` (one KV head) {one['batch']} tables x "
+        f"{one['context']} tokens, {one['num_query_heads']} query heads, head_dim "
+        f"{one['head_dim']}; repack: {r['batch']} tables x {r['context']} tokens, half evicted, "
+        f"{r['bytes_moved'] / 1e6:.3g} MB moved. Medians of pytest-benchmark rounds."
     )
+    return {"core": "\n\n".join([figure_table(results, names), "\n".join(per_context), workload])}

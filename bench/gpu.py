@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from kvstack.bench.suite import CACHE_CODE, Figure, Measured, format_value, run_suite
+from kvstack.bench.suite import CACHE_CODE, Figure, Measured, figure_table, format_value, run_suite
 from kvstack.bench.timing import time_interleaved
 from kvstack.errors import KVStackError
 
@@ -157,15 +157,14 @@ def run_gpu(
 
 
 def readme_tables(results: dict) -> dict[str, str]:
-    from kvstack.bench.suite import met_text, target_text
-
-    rows = ["| figure | measured | target | |", "|---|---:|---|---|"]
-    for name, f in results["figures"].items():
-        rows.append(
-            f"| `{name}` | {format_value(f['value'], f['unit'])} | {target_text(f['target'])} "
-            f"| {met_text(f['met'])} |"
-        )
-    return {"gpu": "\n".join(rows)}
+    """The README's GPU table, from a results file."""
+    w = results["workload"]
+    workload = (
+        f"Workload: {w['model']}, {w['dtype']} on {w['device']}; prompt {w['prompt_tokens']} "
+        f"tokens, {w['new_tokens']} greedy new tokens, batch 1, medians of {w['repeats']} "
+        "interleaved rounds."
+    )
+    return {"gpu": figure_table(results, list(results["figures"])) + "\n\n" + workload}
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:

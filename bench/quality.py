@@ -507,4 +507,13 @@ def readme_tables(results: dict) -> dict[str, str]:
             )
             + " |"
         )
-    return {"quality": "\n".join(rows)}
+    w = results["workload"]
+    items = ", ".join(f"{n} {kind}" for kind, n in w["items"].items())
+    workload = (
+        f"Workload: {w['model']}, {w['device'].upper()}; {items} items of "
+        f"{w['prompt_tokens']['min']}–{w['prompt_tokens']['max']} prompt tokens, greedy, at most "
+        f"{w['max_new_tokens']} new tokens; policies at ratio {w['ratio']:g} with their default "
+        f"settings; NLL over {w['nll_continuation']} tokens after a {w['nll_context']}-token "
+        f"prefix of each of {len(w['nll_texts'])} held-out texts."
+    )
+    return {"quality": "\n".join(rows) + "\n\n" + workload}

@@ -137,7 +137,8 @@ def cpu_name() -> str:
 
 def machine_line(results: Mapping[str, Any]) -> str:
     m, v = results["machine"], results["versions"]
-    device = m["gpu"] or f"CPU ({m['cores']} cores, {m['torch_threads']} torch threads)"
+    threads = f"{m['torch_threads']} torch thread" + ("s" if m["torch_threads"] != 1 else "")
+    device = m["gpu"] or f"CPU ({m['cores']} cores, {threads})"
     return (
         f"{m['cpu']}; {device}; torch {v['torch']}, transformers {v['transformers']}, "
         f"Python {v['python']}"
@@ -216,6 +217,18 @@ def target_text(target: Mapping[str, Any] | None) -> str:
 
 def met_text(met: bool | None) -> str:
     return {True: "met", False: "missed", None: ""}[met]
+
+
+def figure_table(results: Mapping[str, Any], names: Sequence[str]) -> str:
+    """A markdown table of the named figures of a results file: value, target, met."""
+    rows = ["| figure | measured | target | |", "|---|---:|---|---|"]
+    for name in names:
+        f = results["figures"][name]
+        rows.append(
+            f"| `{name}` | {format_value(f['value'], f['unit'])} | {target_text(f['target'])} "
+            f"| {met_text(f['met'])} |"
+        )
+    return "\n".join(rows)
 
 
 def _report(measured: Measured, results: Mapping[str, Any], plot_name: str | None) -> str:

@@ -63,10 +63,9 @@ from kvstack.bench.suite import (
     CACHE_CODE,
     Figure,
     Measured,
+    figure_table,
     format_value,
-    met_text,
     run_suite,
-    target_text,
 )
 from kvstack.bench.timing import time_interleaved
 from kvstack.errors import KVStackError
@@ -693,49 +692,53 @@ def _sections(
 
 
 def readme_tables(results: dict) -> dict[str, str]:
-    """The README's vToken table, from a results file."""
-    f = results["figures"]
-    ratios = results["workload"]["ratios"]
-    policies = results["workload"]["policies"]
-    rows = ["| figure | measured | target | |", "|---|---:|---|---|"]
-    for name in (
+    """The README's vToken tables, from a results file."""
+    f, w = results["figures"], results["workload"]
+    ratios, policies = w["ratios"], w["policies"]
+    speed = f"{w['speed_ratio']:g}"
+    names = [
         "vtoken.blocks_over_ideal",
         "vtoken.repack_time_fraction",
         "vtoken.paged_over_dynamic",
         "vtoken.paged_tokens_equal_dynamic",
-        *(f"vtoken.evicting_over_dynamic.{p}.{SPEED_RATIO:g}" for p in policies),
-    ):
-        rows.append(
-            f"| `{name}` | {format_value(f[name]['value'], f[name]['unit'])} | "
-            f"{target_text(f[name]['target'])} | {met_text(f[name]['met'])} |"
-        )
-    rows += [
-        "",
-        "| retained-block reduction (reclaim vs Naive-Evict) | "
+        *(f"vtoken.evicting_over_dynamic.{p}.{speed}" for p in policies),
+    ]
+
+    def percent(name: str) -> str:
+        return format_value(f[name]["value"], "percent")
+
+    reduction = [
+        "| retained blocks, reclaim vs Naive-Evict | "
         + " | ".join(f"r = {r:g}" for r in ratios)
         + " |",
         "|---|" + "---:|" * len(ratios),
-        "| formula 1 - r P / (P + N) (what the budget predicts) | "
+        "| what the budget predicts, 1 − r·P/(P + N) | "
         + " | ".join(
-            format_value(
-                f[f"vtoken.retained_block_reduction.budget_formula.{r:g}"]["value"], "percent"
-            )
-            for r in ratios
+            percent(f"vtoken.retained_block_reduction.budget_formula.{r:g}") for r in ratios
         )
         + " |",
     ]
     for policy in policies:
-        rows.append(
-            f"| `{policy}`, measured | "
-            + " | ".join(
-                format_value(
-                    f[f"vtoken.retained_block_reduction.{policy}.{r:g}"]["value"], "percent"
-                )
-                for r in ratios
-            )
-            + " |"
+        cells = []
+        for r in ratios:
+            name = f"vtoken.retained_block_reduction.{policy}.{r:g}"
+            cells.append(f"{percent(name)} ({percent(name + '.min')}–{percent(name + '.max')})")
+        reduction.append(
+            f"| `{policy}`, measured (range over prompts) | " + " | ".join(cells) + " |"
         )
-    return {"vtoken": "\n".join(rows)}
+    lengths = w["prompts"].values()
+    tokens_per_s = ", ".join(
+        f"{cache} {format_value(f[f'vtoken.tokens_per_s.{cache}']['value'], 'tokens/s')}"
+        for cache in ("dynamic", "paged", *policies)
+    )
+    workload = (
+        f"Workload: {w['model']}, {w['device'].upper()} with {w['torch_threads']} torch "
+        f"thread(s); {len(w['prompts'])} prompts of {min(lengths)}–{max(lengths)} tokens, "
+        f"{w['new_tokens']} greedy new tokens each, block size {w['block_size']}, repack "
+        f"threshold {w['repack_threshold']:g}; speed at batch 1, policies at ratio {speed}, "
+        f"median tokens/s: {tokens_per_s}."
+    )
+    return {"vtoken": "\n\n".join([figure_table(results, names), "\n".join(reduction), workload])}
 
 
 def _plot(
