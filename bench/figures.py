@@ -23,11 +23,17 @@ from __future__ import annotations
 import importlib
 import json
 import re
-import subprocess
 from pathlib import Path
 from typing import Any
 
-from kvstack.bench.suite import REPO_ROOT, RESULTS_DIR, SUITES, machine_line
+from kvstack.bench.suite import (
+    REPO_ROOT,
+    RESULTS_DIR,
+    SUITES,
+    changed_since,
+    git,
+    machine_line,
+)
 
 README = REPO_ROOT / "README.md"
 BLOCK = re.compile(r"(<!-- figures: (\w+) -->\n)(.*?)(<!-- /figures -->)", re.DOTALL)
@@ -79,12 +85,6 @@ def render(readme: str, all_results: dict[str, dict]) -> tuple[str, list[str]]:
     return BLOCK.sub(replace, readme), problems
 
 
-def _git(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        ["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True, check=False
-    )
-
-
 def stale(name: str, results: dict) -> list[str]:
     """Why the results file of suite ``name`` no longer describes the code (empty: it does)."""
     problems = []
@@ -92,7 +92,7 @@ def stale(name: str, results: dict) -> list[str]:
     if results.get("quick"):
         problems.append(f"{where} is a --quick run; its numbers mean nothing")
     commit = results.get("commit")
-    if not commit or _git("cat-file", "-e", f"{commit}^{{commit}}").returncode != 0:
+    if not commit or git("cat-file", "-e", f"{commit}^{{commit}}") is None:
         return [*problems, f"{where}: its commit {commit!r} is not in this repository"]
     if results.get("dirty_dependencies"):
         problems.append(
@@ -100,13 +100,11 @@ def stale(name: str, results: dict) -> list[str]:
             f"{', '.join(results['dirty_dependencies'])}"
         )
     depends_on = sorted(set(results["depends_on"]) | set(suite_module(name).DEPENDS_ON))
-    changed = _git("diff", "--name-only", commit, "--", *depends_on).stdout.split()
-    untracked = _git("ls-files", "--others", "--exclude-standard", "--", *depends_on)
-    changed += untracked.stdout.split()
+    changed = changed_since(commit, depends_on)
     if changed:
         problems.append(
             f"{where} is stale: measured at {commit[:10]}, and these files it depends on "
-            f"changed since: {', '.join(sorted(set(changed)))}"
+            f"changed since: {', '.join(changed)}"
         )
     return problems
 

@@ -88,7 +88,8 @@ class Measured:
 
 
 # --------------------------------------------------------------------------- provenance
-def _git(*args: str) -> str | None:
+def git(*args: str) -> str | None:
+    """What ``git ARGS`` prints in the checkout, stripped; None when it fails."""
     try:
         result = subprocess.run(
             ["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True, check=False
@@ -103,11 +104,11 @@ def provenance(depends_on: Sequence[str]) -> dict[str, Any]:
     import torch
     import transformers
 
-    status = _git("status", "--porcelain", "--untracked-files=no")
-    dirty_deps = _git("status", "--porcelain", "--untracked-files=all", "--", *depends_on)
+    status = git("status", "--porcelain", "--untracked-files=no")
+    dirty_deps = git("status", "--porcelain", "--untracked-files=all", "--", *depends_on)
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {
-        "commit": _git("rev-parse", "HEAD"),
+        "commit": git("rev-parse", "HEAD"),
         "dirty": bool(status),
         "dirty_dependencies": sorted(line[3:] for line in (dirty_deps or "").splitlines()),
         "machine": {
@@ -123,6 +124,15 @@ def provenance(depends_on: Sequence[str]) -> dict[str, Any]:
             "transformers": transformers.__version__,
         },
     }
+
+
+def changed_since(commit: str | None, depends_on: Sequence[str]) -> list[str]:
+    """Paths under ``depends_on`` that differ now from ``commit`` (committed since, or not)."""
+    if commit is None:
+        return []
+    diff = git("diff", "--name-only", commit, "--", *depends_on) or ""
+    untracked = git("ls-files", "--others", "--exclude-standard", "--", *depends_on) or ""
+    return sorted(set(diff.split()) | set(untracked.split()))
 
 
 def cpu_name() -> str:
@@ -171,12 +181,18 @@ def run_suite(
             elapsed = time.perf_counter() - started
             print(f"[kvstack bench {name} {elapsed:6.0f}s] {message}", file=sys.stderr, flush=True)
 
+    # The code measured is the code at the start; a dependency that changes during the run
+    # (an edit, a commit, a checkout) makes the results untrustworthy, and they say so.
+    record = provenance(depends_on)
     measured = measure(quick, log)
     wall_seconds = time.perf_counter() - started
+    record["dirty_dependencies"] = sorted(
+        set(record["dirty_dependencies"]) | set(changed_since(record["commit"], depends_on))
+    )
     results = {
         "suite": name,
         "quick": quick,
-        **provenance(depends_on),
+        **record,
         "command": command,
         "date": date.strftime("%Y-%m-%dT%H:%M:%SZ"),
         "wall_seconds": round(wall_seconds, 1),

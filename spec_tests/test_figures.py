@@ -13,7 +13,7 @@ import subprocess
 import pytest
 
 from kvstack.bench import core, figures
-from kvstack.bench.suite import REPO_ROOT, Figure, provenance
+from kvstack.bench.suite import REPO_ROOT, Figure, Measured, provenance
 
 IMPLEMENTATIONS = {"reference": 10.0, "compiled": 1.0, "contiguous_sdpa": 2.0}  # ms
 
@@ -170,3 +170,30 @@ def test_provenance_names_commit_machine_and_versions():
 def test_a_nan_never_meets_its_target():
     assert Figure(float("nan"), "ratio", "x", (">=", 0.0)).met() is False
     assert Figure(1.0, "ratio", "x", None).met() is None
+
+
+def test_a_dependency_changed_during_a_run_is_recorded(tmp_path):
+    from kvstack.bench.suite import run_suite
+
+    probe = REPO_ROOT / "bench" / "_probe_changed_during_run.txt"  # untracked, not ignored
+
+    def measure(quick, log):
+        probe.write_text("changed while the suite ran\n")
+        return Measured({"x": Figure(1.0, "ratio", "x")}, {}, "probe", [])
+
+    try:
+        run_suite(
+            "core",
+            measure,
+            ["bench/_probe_changed_during_run.txt"],
+            tmp_path,
+            quick=True,
+            command="probe",
+            verbose=False,
+            results_dir=None,
+        )
+    finally:
+        probe.unlink(missing_ok=True)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["dirty_dependencies"] == ["bench/_probe_changed_during_run.txt"]
+    assert any("uncommitted changes to" in p for p in figures.stale("core", results))
