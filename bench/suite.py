@@ -259,15 +259,10 @@ def _report(measured: Measured, results: Mapping[str, Any], plot_name: str | Non
         "",
         "## Targets",
         "",
-        "| figure | measured | target | result |",
-        "|---|---:|---:|---|",
+        figure_table(
+            results, [key for key, f in results["figures"].items() if f["target"] is not None]
+        ),
     ]
-    for key, figure in results["figures"].items():
-        if figure["target"] is not None:
-            lines.append(
-                f"| `{key}` | {format_value(figure['value'], figure['unit'])} | "
-                f"{target_text(figure['target'])} | {met_text(figure['met'])} |"
-            )
     lines += ["", *measured.sections, ""]
     if plot_name:
         lines += [f"![{measured.title}]({plot_name})", ""]
