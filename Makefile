@@ -54,6 +54,7 @@ bench: install
 	OMP_NUM_THREADS=1 $(BIN)/kvstack bench core --out bench_results/core
 	OMP_NUM_THREADS=1 $(BIN)/kvstack bench vtoken --out bench_results/vtoken
 	OMP_NUM_THREADS=1 $(BIN)/kvstack bench quality --out bench_results/quality
+	OMP_NUM_THREADS=1 $(BIN)/kvstack bench arena --out bench_results/arena
 	$(BIN)/kvstack figures
 
 figures: install

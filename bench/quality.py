@@ -28,7 +28,8 @@ Figures (``results.json``, and ``bench/results/quality.json`` for a full run):
     vtoken.quality.nll_delta.<policy>         nll.<policy> - nll.full
     vtoken.quality.nll.<config>.<text>        per held-out text
 
-with ``<policy>`` in h2o, scissorhands, random, streamingllm, snapkv, tova.
+with ``<policy>`` in h2o, scissorhands, random, streamingllm, snapkv, tova, and h2o_chunk256
+(H2O with ``prefill_chunk=256``: the quality cost of a bounded prefill peak).
 
 Cost: one prefill of ~1000 tokens per item and cache (7 x 64) plus 7 x 3 x 192 decode steps;
 about 40 minutes on 2 shared CPU cores with ``OMP_NUM_THREADS=1`` (on a loaded machine, more
@@ -63,6 +64,17 @@ DEPENDS_ON = (
     "bench/data/quality",
 )
 POLICIES = ("h2o", "scissorhands", "random", "streamingllm", "snapkv", "tova")
+# "<policy>_chunk<N>": the policy with TokenTableCache(prefill_chunk=N), which prefills N tokens
+# at a time and evicts down to the budget after each chunk (a bounded peak, at a quality cost).
+CHUNKED = ("h2o_chunk256",)
+
+
+def split_case_name(name: str) -> tuple[str, int | None]:
+    """``"h2o_chunk256"`` -> ("h2o", 256); ``"h2o"`` -> ("h2o", None)."""
+    policy, _, chunk = name.partition("_chunk")
+    return policy, int(chunk) if chunk else None
+
+
 FULL_NAME = "full"
 PREFIX = "vtoken.quality"
 
@@ -84,7 +96,7 @@ class QualityConfig:
 FULL = QualityConfig(
     counts=dict(quality_data.DEFAULT_COUNTS),
     words=(quality_data.MIN_WORDS, quality_data.MAX_WORDS),
-    policies=POLICIES,
+    policies=(*POLICIES, *CHUNKED),
     nll_texts=("letters", "orchestra", "tides"),
     nll_context=1024,
     nll_continuation=192,
@@ -126,15 +138,17 @@ def _cases(model: Any, config: QualityConfig) -> list[CacheCase]:
 
     cases = [CacheCase(FULL_NAME, "sdpa", lambda: DynamicCache(config=model.config))]
     for name in config.policies:
+        policy, chunk = split_case_name(name)
         cases.append(
             CacheCase(
                 name,
                 "kvstack",
-                lambda name=name: TokenTableCache(
+                lambda policy=policy, chunk=chunk: TokenTableCache(
                     model.config,
-                    BY_NAME[name](),  # a fresh policy, default settings
+                    BY_NAME[policy](),  # a fresh policy, default settings
                     ratio=config.ratio,
                     block_size=config.block_size,
+                    prefill_chunk=chunk,
                 ),
             )
         )
@@ -220,7 +234,7 @@ def run_quality(
     """
     if config is None:
         config = QUICK if quick else FULL
-    unknown = set(config.policies) - set(POLICIES)
+    unknown = {split_case_name(name)[0] for name in config.policies} - set(POLICIES)
     if unknown:
         raise InvalidArgumentError(f"unknown policies {sorted(unknown)}; expected among {POLICIES}")
     return run_suite(

@@ -227,6 +227,30 @@ class TokenTableBatch:
             self._slots[:, : self.num_tokens].masked_fill_(victims, -1)
         return counts
 
+    def rename_blocks(self, renamed: dict[int, int]) -> None:
+        """Blocks moved in memory (an arena compaction): block ``b`` is now ``renamed[b]``. Every
+        slot in a renamed block follows it, at the same offset; liveness and order are kept."""
+        if not renamed:
+            return
+        bs = self.block_size
+        self.blocks = [[renamed.get(block, block) for block in blocks] for blocks in self.blocks]
+        self.free_slots = [
+            sorted(renamed.get(slot // bs, slot // bs) * bs + slot % bs for slot in free)
+            for free in self.free_slots
+        ]
+        slots = self.slots  # [N, T]
+        used = slots[slots >= 0]
+        if used.numel() == 0:
+            return
+        # lookup[b] = b's new id, for every block id up to the largest in use or renamed.
+        size = max(int(used.max()) // bs, max(renamed)) + 1
+        lookup = torch.arange(size, device=self.device)
+        lookup[torch.tensor(list(renamed), device=self.device)] = torch.tensor(
+            list(renamed.values()), device=self.device
+        )
+        moved = lookup[slots.clamp(min=0) // bs] * bs + slots.clamp(min=0) % bs
+        self._slots[:, : self.num_tokens] = torch.where(slots >= 0, moved, slots)
+
     def release_all(self, pool: BlockPool) -> None:
         """Return every table's blocks to the pool and forget all tokens."""
         self._check_pool(pool)

@@ -34,6 +34,10 @@ BENCH_SUITES = {
         "retrieval accuracy and held-out NLL per policy at 50%% budget (SmolLM2)",
         "three items",
     ),
+    "arena": (
+        "real bytes of evicting caches and chunked prefill (SmolLM2); hybrid page layouts",
+        "a short prompt",
+    ),
     "gpu": ("generate speed on a CUDA device (SmolLM2 architecture)", "eight new tokens"),
 }
 

@@ -332,7 +332,7 @@ def _row(
     if hasattr(cache, "stats"):
         stats = cache.stats()
         row.blocks = int(stats["blocks_allocated"])
-        row.kv_bytes = int(stats["bytes"])
+        row.kv_bytes = int(stats["bytes_used_kv"])
         row.live_tokens_per_layer = stats["live_tokens_per_layer"]  # one row: per sequence too
         row.repacks = int(stats["repacks"])
     else:

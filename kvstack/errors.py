@@ -26,6 +26,11 @@ class PoolExhausted(KVStackError, MemoryError):
     """The block pool cannot hand out as many blocks as were asked for; nothing was allocated."""
 
 
+class ArenaExhausted(PoolExhausted):
+    """A KV arena cannot hold the pages asked for, even after compaction; the message names the
+    bytes needed and the bytes free. Nothing was allocated and no other cache changed."""
+
+
 class DoubleFreeError(KVStackError):
     """A block was freed that is not currently allocated."""
 

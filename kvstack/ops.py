@@ -40,6 +40,7 @@ _SPEC = {
     "merge_attention_states": ("merge", "merge"),
     "multi_segment_attention": ("merge", "merge"),
     "copy_slots": ("repack", "repack"),
+    "move_pages": ("arena", "arena"),
     "rotate_keys": ("rope", "rope"),
     "rerotate_keys": ("rope", "rope"),
 }

@@ -72,7 +72,7 @@ def test_reclaim_gives_naive_evict_tokens_in_fewer_bytes(name):
     reclaimed, naive = caches[True].stats(), caches[False].stats()
     assert reclaimed["live_tokens_all_layers"] == naive["live_tokens_all_layers"] == 2 * 24
     assert reclaimed["live_tokens_per_layer"] == 24  # one row at its budget in each layer
-    assert reclaimed["bytes"] < naive["bytes"]
+    assert reclaimed["bytes_used_kv"] < naive["bytes_used_kv"]
     assert reclaimed["repacks"] > 0 and naive["repacks"] == 0
     for layer in caches[True].paged_layers:
         for table in layer.tables:

@@ -23,7 +23,7 @@ def test_readme_hf_example_runs():
     budget = math.ceil(0.5 * namespace["ids"].shape[1])  # ratio=0.5 of the prompt, per table
     assert stats["live_tokens_per_layer"] == budget  # one row, each layer at its budget
     assert stats["live_tokens_all_layers"] == 30 * budget  # 30 layers
-    assert stats["bytes"] < namespace["paged"].stats()["bytes"]
+    assert stats["bytes_used_kv"] < namespace["paged"].stats()["bytes_used_kv"]
 
 
 def test_readme_example_runs_and_its_comments_hold():

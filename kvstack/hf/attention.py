@@ -106,31 +106,11 @@ def kvstack_attention(
             f"the kvstack attention does not implement {sorted(unsupported)} (used by "
             f"{type(module).__name__}); load this model with attn_implementation='sdpa' or 'eager'"
         )
-    attention = ops.get("paged_attention", _BACKEND)
     window = kwargs.get("sliding_window")
     query_bthd = query.transpose(1, 2)  # [B, T_q, H_q, D]
     t_q = query.shape[2]
     layer = STEP.layer
-    if layer is not None:
-        if STEP.key is not key:
-            raise KVStackError(
-                f"layer {layer.layer_idx} of the kvstack cache stored K/V, but the attention call "
-                f"of {type(module).__name__} received other key states; this model transforms K/V "
-                "between the cache and attention, which the kvstack attention does not support"
-            )
-        STEP.layer, STEP.key = None, None  # one update, one attention call
-        if attention_mask is not None and attention_mask.dim() == 2:
-            if not _new_tokens_all_real(attention_mask, t_q, layer.get_seq_length()):
-                layer.evict_padding(attention_mask[:, -t_q:])
-        key_cache, value_cache, slots, key_positions = layer.attention_view()
-        query_bthd = layer.split_query(query_bthd)  # one row per token table
-        want_weights = layer.wants_attention_weights()
-        window = layer.window if layer.window is not None else window
-        # A decode step over views without padding: the newest token sees every live token,
-        # which decode_attention computes without positions or a mask.
-        dense_decode = t_q == 1 and window is None and layer.view_is_dense
-        query_positions = None if dense_decode else layer.query_positions(t_q)
-    else:
+    if layer is None:
         # No kvstack cache behind this call: plain causal attention over the given K/V.
         key_cache, value_cache, slots = _contiguous_as_table(key, value)
         t_k = key.shape[2]
@@ -138,9 +118,7 @@ def kvstack_attention(
         if attention_mask is not None and attention_mask.dim() == 2:
             slots = slots.masked_fill(~attention_mask[:, -t_k:].bool(), -1)
         query_positions = torch.arange(t_k - t_q, t_k, device=key.device).expand(key.shape[0], t_q)
-        want_weights, layer = False, None
-    if layer is None:
-        result = attention(
+        result = ops.get("paged_attention", _BACKEND)(
             query_bthd,
             key_cache,
             value_cache,
@@ -151,6 +129,51 @@ def kvstack_attention(
             window=window,
         )
         return result.out, None
+    if STEP.key is not key:
+        raise KVStackError(
+            f"layer {layer.layer_idx} of the kvstack cache stored K/V, but the attention call "
+            f"of {type(module).__name__} received other key states; this model transforms K/V "
+            "between the cache and attention, which the kvstack attention does not support"
+        )
+    STEP.layer, STEP.key = None, None  # one update, one attention call
+    mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+    window = layer.window if layer.window is not None else window
+    pending = layer.pending_prefill(mask)
+    if pending is None:
+        return _attend_tables(layer, query_bthd, mask, scaling, window), None
+    # Chunked prefill: append N prompt tokens, attend their queries, evict down to the budget,
+    # and only then append the next N, so no table ever holds more than budget + N tokens.
+    outs = []
+    for start, end in pending:
+        layer.append_prefill_chunk(start, end)
+        chunk_mask = None if mask is None else mask[:, : mask.shape[1] - t_q + end]
+        outs.append(_attend_tables(layer, query_bthd[:, start:end], chunk_mask, scaling, window))
+    layer.finish_prefill()
+    return torch.cat(outs, dim=1), None
+
+
+def _attend_tables(
+    layer: Any,
+    query_bthd: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    window: int | None,
+) -> torch.Tensor:
+    """Attention of ``query_bthd`` ([B, T_q, H_q, D], the layer's newest T_q tokens) over the
+    layer's token tables; hands the weights to the layer's policy and lets it evict afterwards.
+    ``attention_mask`` is the 2D padding mask whose last T_q columns are these tokens."""
+    attention = ops.get("paged_attention", _BACKEND)
+    t_q = query_bthd.shape[1]
+    if attention_mask is not None:
+        if not _new_tokens_all_real(attention_mask, t_q, layer.get_seq_length()):
+            layer.evict_padding(attention_mask[:, -t_q:])
+    key_cache, value_cache, slots, key_positions = layer.attention_view()
+    query_bthd = layer.split_query(query_bthd)  # one row per token table
+    want_weights = layer.wants_attention_weights()
+    # A decode step over views without padding: the newest token sees every live token,
+    # which decode_attention computes without positions or a mask.
+    dense_decode = t_q == 1 and window is None and layer.view_is_dense
+    query_positions = None if dense_decode else layer.query_positions(t_q)
     # A policy that observes attention weights gets them OBSERVE_CHUNK queries at a time, so a
     # long prefill never holds the whole [tables, heads, T_q, T_k] weights at once; it evicts
     # only after the last chunk, so observing in parts decides exactly as observing at once.
@@ -191,7 +214,7 @@ def kvstack_attention(
             layer.observe_attention(result.weights)
         outs.append(result.out)
     layer.after_attention()
-    return layer.merge_output(outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
+    return layer.merge_output(outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))
 
 
 def register() -> None:

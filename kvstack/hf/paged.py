@@ -27,12 +27,16 @@ from transformers.cache_utils import (
     DynamicSlidingWindowLayer,
 )
 
+from kvstack.arena import KVArena
 from kvstack.compiled.token_tables import TokenTableBatch
 from kvstack.errors import InvalidArgumentError, KVStackError
 from kvstack.hf import attention as kv_attention
-from kvstack.reference.block_pool import BlockPool
+from kvstack.hf import state_layers
+from kvstack.reference.arena import ArenaBlockPool
 from kvstack.reference.checks import check_positive_int
 from kvstack.reference.token_table import TokenTable
+
+PREFILL_HEADROOM = 64  # decode tokens per table a lossless cache reserves room for at prefill
 
 # The layer classes DynamicCache uses for plain (full or sliding) attention: the ones we page.
 _ATTENTION_LAYER_TYPES = (DynamicLayer, DynamicSlidingWindowLayer)
@@ -40,7 +44,14 @@ _ATTENTION_LAYER_TYPES = (DynamicLayer, DynamicSlidingWindowLayer)
 STATS_UNITS: dict[str, str] = {
     "blocks_allocated": "blocks held, summed over attention layers, rows and token tables (a "
     "per-head table's blocks hold one KV head each)",
-    "bytes": "bytes of K and V in the blocks held, whole cache",
+    "bytes_reserved": "arena bytes this cache may use: the real bytes of its private arena, or, "
+    "on a shared arena, the bytes it holds plus the arena's free bytes",
+    "bytes_used": "arena bytes this cache's pages hold, both kinds",
+    "bytes_used_kv": "arena bytes of this cache's attention KV blocks (K and V)",
+    "bytes_used_state": "arena bytes of this cache's recurrent-state pages (hybrid models)",
+    "peak_bytes_used": "the most arena bytes this cache's pages held at once",
+    "peak_bytes_reserved": "the most real bytes its private arena held at once, both buffers "
+    "counted while it grew or shrank (on a shared arena: its capacity)",
     "live_tokens_all_layers": "live token-equivalents, summed over attention layers and rows "
     "(a token of a per-head table counts 1 / KV heads)",
     "live_tokens_per_layer": "live token-equivalents per attention layer: the mean over "
@@ -79,7 +90,7 @@ class PagedLayer(CacheLayerMixin):
         # positions; PagedCache keeps every token and the attention applies the window.
         self.window = window
         self.is_sliding = window is not None
-        self.pool: BlockPool | None = None
+        self.pool: ArenaBlockPool | None = None
         self.batch: TokenTableBatch | None = None  # the layer's token tables, vectorised
 
     def __repr__(self) -> str:
@@ -93,32 +104,32 @@ class PagedLayer(CacheLayerMixin):
         # KV head: each head then keeps its own tokens. Tables are row-major: row * groups + g.
         self.heads_per_table = 1 if self.per_head_tables() else num_kv_heads
         self.groups = num_kv_heads // self.heads_per_table
-        self.pool = BlockPool(
-            1,
-            self.block_size,
-            self.heads_per_table,
-            head_dim,
-            dtype=key_states.dtype,
-            device=key_states.device,
-        )
-        self.pool.free([self.pool.allocate(1)[0]])  # a valid empty pool; grown on demand
+        arena = self.cache.arena_for(key_states.dtype, key_states.device)  # raises on mismatch
+        self.pool = ArenaBlockPool(arena, self.block_size, self.heads_per_table, head_dim)
+        self.pool.account = self.cache.account
+        self.pool.listeners.append(self._blocks_renamed)
         self.batch = TokenTableBatch(batch * self.groups, self.block_size, device=self.device)
         self._arange = torch.arange(0, device=self.device)  # 0, 1, 2, ...: query positions
         self.is_initialized = True
 
     def per_head_tables(self) -> bool:
-        return False
+        return self.cache.per_head_tables()
 
     @property
     def tables(self) -> list[TokenTable]:
         """The layer's token tables as reference ``TokenTable`` copies (for inspection)."""
         return self.batch.tables() if self.is_initialized else []
 
+    def _blocks_renamed(self, renamed: dict[int, int]) -> None:
+        """The arena compacted and moved some of this layer's blocks: follow them."""
+        self.batch.rename_blocks(renamed)
+
     def _reserve(self, new_tokens: int) -> None:
-        """Grow the pool (doubling) so that every table can append ``new_tokens`` tokens."""
+        """Make room in the arena for every table to append ``new_tokens`` tokens (compacting or
+        growing it), or raise ``ArenaExhausted`` with nothing changed."""
         needed = self.batch.blocks_needed(new_tokens)
-        if needed > self.pool.num_free_blocks:
-            self.pool.grow(max(needed - self.pool.num_free_blocks, self.pool.num_blocks))
+        if needed:
+            self.pool.reserve(needed)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -146,6 +157,26 @@ class PagedLayer(CacheLayerMixin):
                 f"key_states has batch {batch}, but layer {self.layer_idx} of this cache holds "
                 f"{self.batch_size} rows; use a fresh cache for a new batch"
             )
+        self.store(key_states, value_states)
+        if kvstack_attention:
+            kv_attention.STEP.layer, kv_attention.STEP.key = self, key_states
+            return key_states, value_states
+        return self.gather_contiguous()
+
+    def store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Append the step's K/V ([B, H_kv, T, D]) to every table."""
+        self.reserve_first_step(key_states.shape[2])
+        self.append(key_states, value_states)
+
+    def reserve_first_step(self, new_tokens: int) -> None:
+        """On the cache's very first step, let its arena reserve what the whole cache will hold
+        (a private arena then grows once instead of once per layer)."""
+        if self.batch.num_tokens == 0 and self.layer_idx == self.cache.first_paged_layer:
+            self.cache.reserve_for_prompt(self.batch.num_tables, new_tokens, self.pool.block_bytes)
+
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Append K/V [B, H_kv, T, D] to the tables: room first (all or nothing), then rows."""
+        batch, _, new_tokens, head_dim = key_states.shape
         self._reserve(new_tokens)
         # [B, H_kv, T, D] -> [B * groups, T, heads_per_table, D]: one slab per table.
         shape = (batch * self.groups, self.heads_per_table, new_tokens, head_dim)
@@ -155,10 +186,6 @@ class PagedLayer(CacheLayerMixin):
             value_states.reshape(shape).transpose(1, 2),
             check=False,  # our pool; shapes from PagedCache.update's checked key_states
         )
-        if kvstack_attention:
-            kv_attention.STEP.layer, kv_attention.STEP.key = self, key_states
-            return key_states, value_states
-        return self.gather_contiguous()
 
     def gather_contiguous(self) -> tuple[torch.Tensor, torch.Tensor]:
         """All rows' live K/V as [B, H_kv, T, D] (for eager/sdpa attention; needs one table per
@@ -220,6 +247,11 @@ class PagedLayer(CacheLayerMixin):
     def wants_attention_weights(self) -> bool:
         return False
 
+    def pending_prefill(self, attention_mask: torch.Tensor | None) -> list[tuple[int, int]] | None:
+        """The (start, end) chunks of a prefill whose K/V ``store`` kept back, or None when
+        this step's K/V are in the tables already (PagedCache appends everything at once)."""
+        return None
+
     def observe_attention(self, weights: torch.Tensor) -> None:
         """Called with the attention weights of each chunk of the step's queries ([N, H', T_c,
         W] over the view's first W columns) when ``wants_attention_weights``."""
@@ -240,8 +272,12 @@ class PagedLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
+        """Forget every token and return the layer's blocks to the arena."""
         if self.is_initialized:
             self.batch.release_all(self.pool)
+
+    def release(self) -> None:
+        self.reset()
 
     def _select_rows(self, rows: list[int]) -> None:
         """New row i is a copy of old row ``rows[i]`` (beam search, repeat, select)."""
@@ -264,9 +300,7 @@ class PagedLayer(CacheLayerMixin):
         self.batch = TokenTableBatch.from_tables(new_tables, self.block_size, device=self.device)
 
     def _reserve_for_copy(self, tokens: int) -> None:
-        needed = math.ceil(tokens / self.block_size)
-        if needed > self.pool.num_free_blocks:
-            self.pool.grow(max(needed - self.pool.num_free_blocks, self.pool.num_blocks))
+        self.pool.reserve(math.ceil(tokens / self.block_size))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._select_rows(beam_idx.tolist())
@@ -293,8 +327,19 @@ class PagedCache(Cache):
 
     layer_class = PagedLayer
 
-    def __init__(self, config: Any, *, block_size: int = 16, **layer_kwargs: Any) -> None:
+    def __init__(
+        self,
+        config: Any,
+        *,
+        block_size: int = 16,
+        arena: KVArena | None = None,
+        **layer_kwargs: Any,
+    ) -> None:
         check_positive_int("block_size", block_size)
+        if arena is not None and not isinstance(arena, KVArena):
+            raise InvalidArgumentError(
+                f"arena must be a kvstack.arena.KVArena or None, got {type(arena).__name__}"
+            )
         if getattr(config, "is_encoder_decoder", False):
             raise KVStackError(
                 f"config describes an encoder-decoder model ({config.model_type}); kvstack caches "
@@ -309,16 +354,85 @@ class PagedCache(Cache):
         self.expected_head_dim = getattr(text_config, "head_dim", None) or (
             text_config.hidden_size // text_config.num_attention_heads
         )
+        self._check_arena(arena, text_config)
+        self.arena = arena  # None until the first step builds a private one
+        self.private_arena = arena is None or arena.growable  # growable: real bytes are its own
+        self._bytes_used = dict.fromkeys(("kv", "state"), 0)
+        self._peak_bytes_used = 0
         # Start from the layers transformers itself would build, so hybrid models keep their
-        # state layers (conv / recurrent, "linear_attention", "conv", ...) exactly as the model
-        # expects, and replace each plain attention layer with a paged one.
+        # state layers (conv / recurrent, "linear_attention", "conv", ...) with the semantics the
+        # model expects, their states moved into arena pages; each plain attention layer is paged.
         layers = []
         for index, layer in enumerate(DynamicCache(config=config).layers):
             if type(layer) in _ATTENTION_LAYER_TYPES:
                 window = getattr(layer, "sliding_window", None)
                 layer = self.layer_class(self, index, block_size, window, **layer_kwargs)
+            elif state_layers.is_state_layer(layer):
+                layer = state_layers.arena_state_layer(self, index, layer)
             layers.append(layer)
         super().__init__(layers=layers)
+        self.first_paged_layer = next(
+            (layer.layer_idx for layer in layers if isinstance(layer, PagedLayer)), -1
+        )
+
+    def per_head_tables(self) -> bool:
+        """Whether each row keeps one token table per KV head (per-head eviction)."""
+        return False
+
+    def blocks_to_reserve(self, tables: int, prompt_tokens: int) -> int:
+        """Blocks the whole cache expects to hold after a prompt of ``prompt_tokens`` in
+        ``tables`` tables per layer: every token, plus ``PREFILL_HEADROOM`` decode tokens."""
+        per_table = math.ceil((prompt_tokens + PREFILL_HEADROOM) / self.block_size)
+        return len(self.paged_layers) * tables * per_table
+
+    def reserve_for_prompt(self, tables: int, prompt_tokens: int, block_bytes: int) -> None:
+        """Reserve (private arenas) what ``blocks_to_reserve`` expects; shared arenas ignore it."""
+        if self.arena is not None:
+            blocks = self.blocks_to_reserve(tables, prompt_tokens)
+            self.arena.reserve(self, blocks * block_bytes)
+
+    # ------------------------------------------------------------------ the arena
+    def min_page_bytes(self, itemsize: int) -> int:
+        """Bytes of the smallest KV block this cache can take (one KV head per table when the
+        cache keeps per-head tables)."""
+        heads = 1 if self.per_head_tables() else self.expected_kv_heads
+        return self.block_size * heads * self.expected_head_dim * 2 * itemsize
+
+    def _check_arena(self, arena: KVArena | None, text_config: Any) -> None:
+        """Refuse an arena this model cannot use, before anything is built."""
+        if arena is None:
+            return
+        dtype = getattr(text_config, "dtype", None) or getattr(text_config, "torch_dtype", None)
+        if isinstance(dtype, torch.dtype) and dtype != arena.dtype:
+            raise InvalidArgumentError(
+                f"arena holds {arena.dtype}, but config describes a {dtype} model; build the "
+                f"arena with dtype={dtype} (one arena serves one dtype)"
+            )
+        page = self.min_page_bytes(arena.itemsize)
+        if not arena.growable and arena.capacity_bytes < page:
+            raise InvalidArgumentError(
+                f"arena capacity is {arena.capacity_bytes} bytes, smaller than one KV block of "
+                f"this model ({page} bytes: block_size {self.block_size} x head_dim "
+                f"{self.expected_head_dim} x K and V); give the arena at least {page} bytes"
+            )
+
+    def arena_for(self, dtype: torch.dtype, device: torch.device) -> KVArena:
+        """The arena this cache's pages come from (built on the first step when private); raises
+        if K/V of ``dtype`` on ``device`` cannot live in it."""
+        if self.arena is None:
+            self.arena = KVArena.private(device=device, dtype=dtype)
+        if self.arena.dtype != dtype or self.arena.device != torch.device(device):
+            raise InvalidArgumentError(
+                f"the model runs in {dtype} on {device}, but this cache's arena holds "
+                f"{self.arena.dtype} on {self.arena.device}; build the arena with the model's "
+                "dtype and device"
+            )
+        return self.arena
+
+    def account(self, kind: str, delta_bytes: int) -> None:
+        """Pages of ``kind`` this cache holds grew (or shrank) by ``delta_bytes``."""
+        self._bytes_used[kind] += delta_bytes
+        self._peak_bytes_used = max(self._peak_bytes_used, sum(self._bytes_used.values()))
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
@@ -340,6 +454,18 @@ class PagedCache(Cache):
             )
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
+    def release(self) -> None:
+        """Return every page this cache holds (KV blocks and state pages) to its arena; the cache
+        is empty afterwards and can be used again. A cache on a shared arena should be released
+        when its request is done: the arena's pages refer to it, so dropping it frees nothing."""
+        for layer in self.layers:
+            release = getattr(layer, "release", None)
+            if release is not None:
+                release()
+        if self.arena is not None:
+            self.arena.reserve(self, 0)
+            self.arena.trim()
+
     @property
     def paged_layers(self) -> list[PagedLayer]:
         return [layer for layer in self.layers if isinstance(layer, PagedLayer)]
@@ -349,25 +475,33 @@ class PagedCache(Cache):
 
     def stats(self) -> dict[str, float]:
         blocks = live_entries = capacity = 0
-        total_bytes = live_tokens = 0.0
+        live_tokens = 0.0
         for layer in self.paged_layers:
             if not layer.is_initialized:
                 continue
-            pool = layer.pool
-            block_bytes = (
-                pool.block_size * pool.num_kv_heads * pool.head_dim * pool.key.element_size() * 2
-            )
             layer_blocks = sum(len(blocks) for blocks in layer.batch.blocks)
             layer_live = sum(layer.batch.num_live)
             blocks += layer_blocks
-            total_bytes += layer_blocks * block_bytes
             capacity += layer_blocks * self.block_size
             live_entries += layer_live
             live_tokens += layer_live / layer.groups  # per-head tables: token-equivalents
         attention_layers = len(self.paged_layers)
+        used = sum(self._bytes_used.values())
+        arena = self.arena
+        if arena is None:
+            reserved = peak_reserved = 0
+        elif self.private_arena:
+            reserved, peak_reserved = arena.capacity_bytes, arena.peak_reserved * arena.itemsize
+        else:
+            reserved, peak_reserved = used + arena.bytes_free, arena.capacity_bytes
         return {
             "blocks_allocated": blocks,
-            "bytes": int(total_bytes),
+            "bytes_reserved": reserved,
+            "bytes_used": used,
+            "bytes_used_kv": self._bytes_used["kv"],
+            "bytes_used_state": self._bytes_used["state"],
+            "peak_bytes_used": self._peak_bytes_used,
+            "peak_bytes_reserved": peak_reserved,
             "live_tokens_all_layers": live_tokens,
             "live_tokens_per_layer": live_tokens / attention_layers if attention_layers else 0.0,
             "seen_tokens_per_sequence": max(
@@ -378,6 +512,6 @@ class PagedCache(Cache):
         }
 
     stats.__doc__ = stats_doc(
-        "Exact memory counts over all paged layers (blocks held by tables, not pool capacity)",
+        "Exact memory counts: blocks and tokens over all paged layers, real arena bytes",
         STATS_UNITS,
     )

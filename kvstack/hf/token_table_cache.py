@@ -27,10 +27,12 @@ from typing import Any
 import torch
 
 from kvstack import ops
+from kvstack.arena import KVArena
 from kvstack.errors import InvalidArgumentError
 from kvstack.hf.paged import STATS_UNITS as PAGED_STATS_UNITS
 from kvstack.hf.paged import PagedCache, PagedLayer, stats_doc
 from kvstack.policies import EvictionPolicy
+from kvstack.reference.checks import check_positive_int
 from kvstack.reference.repack import DEFAULT_WASTE_THRESHOLD, execute_repack, plan_repack
 
 STATS_UNITS: dict[str, str] = {
@@ -52,11 +54,48 @@ class TokenTableLayer(PagedLayer):
         self.policy: EvictionPolicy = cache.policy
         self.state: Any = None  # the policy's state for this layer's tables
         self.budgets: list[int] = []  # per table, fixed at prefill
+        self.prompt_tokens: list[int] | None = None  # per table, for a chunked prefill
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # K/V of a chunked prefill
+        self.prefilled = False
         self.repacks = 0
         self.repack_seconds = 0.0
 
-    def per_head_tables(self) -> bool:
-        return self.policy.per_head
+    # ------------------------------------------------------------------ chunked prefill
+    def store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Append the step's K/V, or keep a long prefill's K/V back for ``append_prefill_chunk``
+        (the attention function appends and evicts chunk by chunk)."""
+        chunk = self.cache.prefill_chunk
+        self.reserve_first_step(key_states.shape[2])
+        if chunk is not None and not self.budgets and key_states.shape[2] > chunk:
+            self.pending = (key_states, value_states)
+            return
+        self.append(key_states, value_states)
+
+    def pending_prefill(self, attention_mask: torch.Tensor | None) -> list[tuple[int, int]] | None:
+        if self.pending is None:
+            return None
+        t = self.pending[0].shape[2]
+        # Budgets come from each row's real prompt tokens, not from its first chunk.
+        if attention_mask is None:
+            real = [t] * self.batch_size
+        else:
+            real = attention_mask[:, -t:].sum(dim=1).tolist()
+        self.prompt_tokens = [int(n) for n in real for _ in range(self.groups)]
+        chunk = self.cache.prefill_chunk
+        return [(start, min(start + chunk, t)) for start in range(0, t, chunk)]
+
+    def append_prefill_chunk(self, start: int, end: int) -> None:
+        key_states, value_states = self.pending
+        self.append(key_states[:, :, start:end], value_states[:, :, start:end])
+
+    def finish_prefill(self) -> None:
+        self.pending = None
+        self._prefill_done()
+
+    def _prefill_done(self) -> None:
+        if not self.prefilled:
+            self.prefilled = True
+            self.cache.layer_prefilled()
 
     def wants_attention_weights(self) -> bool:
         return self.policy.needs_attention_weights
@@ -64,7 +103,8 @@ class TokenTableLayer(PagedLayer):
     def _start(self) -> None:
         # The first step's real tokens (the prompt's, padding evicted) fix each table's budget.
         self.state = self.policy.init_state(self.batch.num_tables)
-        self.budgets = [self.cache.budget_for(live) for live in self.batch.num_live]
+        prompt = self.prompt_tokens if self.prompt_tokens is not None else self.batch.num_live
+        self.budgets = [self.cache.budget_for(tokens) for tokens in prompt]
 
     def observe_attention(self, weights: torch.Tensor) -> None:
         """Hand one chunk of this step's attention ([N, heads, T_c, W] over the view's first W
@@ -79,6 +119,8 @@ class TokenTableLayer(PagedLayer):
         batch = self.batch
         if not self.budgets:
             self._start()
+        if self.pending is None:
+            self._prefill_done()
         excess = [live - budget for live, budget in zip(batch.num_live, self.budgets, strict=True)]
         if max(excess) <= 0:
             return
@@ -99,6 +141,7 @@ class TokenTableLayer(PagedLayer):
             for index, count in enumerate(evicted):
                 if count:
                     self._maybe_repack(index)
+            self.pool.arena.trim()  # a private arena gives emptied segments back
 
     def _maybe_repack(self, index: int) -> None:
         # Everything repacking costs is timed: the check, the plan and the copy.
@@ -156,6 +199,8 @@ class TokenTableCache(PagedCache):
         block_size: int = 16,
         repack_threshold: float = DEFAULT_WASTE_THRESHOLD,
         reclaim: bool = True,
+        prefill_chunk: int | None = None,
+        arena: KVArena | None = None,
     ) -> None:
         if not isinstance(policy, EvictionPolicy):
             raise InvalidArgumentError(
@@ -181,17 +226,47 @@ class TokenTableCache(PagedCache):
             raise InvalidArgumentError(
                 f"repack_threshold must be in [0, 1), got {repack_threshold!r}"
             )
+        if prefill_chunk is not None:
+            check_positive_int("prefill_chunk", prefill_chunk)
         self.policy = policy
+        self.prefill_chunk = prefill_chunk
+        self.layers_prefilled = 0
         self.budget = budget
         self.ratio = ratio
         self.repack_threshold = repack_threshold
         self.reclaim = reclaim
-        super().__init__(config, block_size=block_size)
+        super().__init__(config, block_size=block_size, arena=arena)
+
+    def per_head_tables(self) -> bool:
+        return self.policy.per_head
 
     def budget_for(self, prompt_tokens: int) -> int:
         if self.budget is not None:
             return self.budget
         return max(self.policy.min_budget(), math.ceil(self.ratio * prompt_tokens))
+
+    def blocks_to_reserve(self, tables: int, prompt_tokens: int) -> int:
+        """Every layer's tables at their budget (one block of decode slack each), plus one
+        layer's prefill in flight: a chunk (or the whole prompt) before it evicts."""
+        in_flight = min(prompt_tokens, self.prefill_chunk or prompt_tokens)
+        return self._steady_blocks(tables, prompt_tokens) + tables * math.ceil(
+            in_flight / self.block_size
+        )
+
+    def _steady_blocks(self, tables: int, prompt_tokens: int) -> int:
+        per_table = math.ceil((self.budget_for(prompt_tokens) + 1) / self.block_size) + 1
+        return len(self.paged_layers) * tables * per_table
+
+    def reserve_for_prompt(self, tables: int, prompt_tokens: int, block_bytes: int) -> None:
+        super().reserve_for_prompt(tables, prompt_tokens, block_bytes)
+        self._steady_reservation = self._steady_blocks(tables, prompt_tokens) * block_bytes
+
+    def layer_prefilled(self) -> None:
+        """One layer finished its prefill; after the last, keep only the steady reservation."""
+        self.layers_prefilled += 1
+        if self.layers_prefilled == len(self.paged_layers) and self.arena is not None:
+            self.arena.reserve(self, getattr(self, "_steady_reservation", 0))
+            self.arena.trim()
 
     def stats(self) -> dict[str, float]:
         stats = super().stats()
