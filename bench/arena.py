@@ -186,6 +186,16 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
     log("hybrid layouts")
     hybrid_figures, hybrid_workload = measure_hybrid(quick)
     figures.update(hybrid_figures)
+    log("hybrid trace through tiny hybrid models on one arena")
+    equal, checked = _hybrid_tokens_equal(quick)
+    figures["arena.hybrid.tokens_equal_dynamic"] = Figure(
+        equal / checked,
+        "fraction",
+        f"of {checked} (model, request) pairs of a trace run through tiny random "
+        f"{'/'.join(HYBRID_TOKEN_MODELS)} models with PagedCache, all caches on one fixed arena "
+        "at once, whose greedy tokens equal DynamicCache's alone (the arena empty afterwards)",
+        (">=", 1.0),
+    )
 
     workload = {
         "model": MODEL_NAME,
@@ -213,6 +223,56 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         sections=_sections(rows, workload),
         plot=lambda path: _plot(rows, path),
     )
+
+
+HYBRID_TOKEN_MODELS = ("jamba", "bamba", "qwen3_next", "lfm2", "nemotron_h", "falcon_h1")
+HYBRID_TRACE_REQUESTS, HYBRID_MAX_CONTEXT, HYBRID_MAX_NEW = 4, 96, 12
+
+
+def _hybrid_tokens_equal(quick: bool) -> tuple[int, int]:
+    """Run a trace's requests (lengths from the shipped distribution, scaled to a tiny model's
+    context) through each tiny hybrid model: every request's PagedCache on one shared fixed
+    arena, all alive together; count the requests whose tokens equal DynamicCache's alone."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from kvstack.arena import KVArena
+    from kvstack.hf import PagedCache
+    from kvstack.hf import attention as kv_attention
+    from kvstack.models import tiny_hybrid_config
+    from kvstack.workloads import draw_trace
+
+    models = HYBRID_TOKEN_MODELS[:2] if quick else HYBRID_TOKEN_MODELS
+    trace = draw_trace(HYBRID_TRACE_REQUESTS, seed=0, max_context=HYBRID_MAX_CONTEXT)
+    equal = checked = 0
+    kv_attention.set_backend("reference")  # tiny shapes: compiling each would cost more
+    try:
+        for name in models:
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(tiny_hybrid_config(name)).eval()
+            model.set_attn_implementation("kvstack")
+            arena = KVArena("16MiB", dtype=torch.float32)
+            caches = []
+            for request in trace:
+                gen = torch.Generator().manual_seed(request.request_id)
+                ids = torch.randint(2, 120, (1, max(1, request.prompt_tokens)), generator=gen)
+                new = max(1, min(request.output_tokens, HYBRID_MAX_NEW))
+                kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
+                with torch.inference_mode():
+                    expected = model.generate(
+                        ids, past_key_values=DynamicCache(config=model.config), **kwargs
+                    )
+                    cache = PagedCache(model.config, arena=arena)
+                    out = model.generate(ids, past_key_values=cache, **kwargs)
+                caches.append(cache)  # held until the whole trace ran: they share the arena
+                equal += int(torch.equal(out, expected))
+                checked += 1
+            for cache in caches:
+                cache.release()
+            if arena.pages:
+                raise AssertionError(f"{name}: the arena holds pages after every release")
+    finally:
+        kv_attention.set_backend(None)
+    return equal, checked
 
 
 def _sections(rows: list[tuple[str, int, int]], workload: dict) -> list[str]:

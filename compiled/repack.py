@@ -28,5 +28,12 @@ def copy_slots(
     dst_slots: torch.Tensor,
 ) -> None:
     """Implements ``kvstack.reference.repack.copy_slots`` (in place)."""
-    if src_slots.numel():
-        _copy_rows_compiled(key_cache, value_cache, src_slots.long(), dst_slots.long())
+    if not src_slots.numel():
+        return
+    if key_cache.untyped_storage().data_ptr() == value_cache.untyped_storage().data_ptr():
+        # K and V are views of one arena buffer (``ArenaBlockPool``). torch.compile cannot trace
+        # an in-place write to two aliasing inputs of changing shapes, so the same two indexed
+        # copies run eagerly: two kernels either way, no Python loop over rows.
+        _copy_rows(key_cache, value_cache, src_slots.long(), dst_slots.long())
+        return
+    _copy_rows_compiled(key_cache, value_cache, src_slots.long(), dst_slots.long())

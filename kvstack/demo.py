@@ -332,7 +332,7 @@ def _row(
     if hasattr(cache, "stats"):
         stats = cache.stats()
         row.blocks = int(stats["blocks_allocated"])
-        row.kv_bytes = int(stats["bytes_used_kv"])
+        row.kv_bytes = int(stats["bytes_reserved"])  # the real bytes of its private arena
         row.live_tokens_per_layer = stats["live_tokens_per_layer"]  # one row: per sequence too
         row.repacks = int(stats["repacks"])
     else:
@@ -531,8 +531,9 @@ def format_report(rows: list[DemoRow], *, prompt_tokens: int, attention_layers: 
     saved = 1 - rows[-1].kv_bytes / rows[1].kv_bytes if rows[1].kv_bytes else math.nan
     lines += [
         "",
-        f"KV MiB: exact bytes of the K/V blocks a cache holds at the end (DynamicCache: of its "
-        f"K/V tensors), in MiB; TokenTableCache holds {saved:.0%} less than PagedCache.",
+        f"KV MiB: real bytes of the cache's K/V memory at the end: its private arena's tensor "
+        f"(DynamicCache: its K/V tensors), in MiB; TokenTableCache holds {saved:.0%} less than "
+        "PagedCache.",
         f"live tokens: K/V token rows kept per attention layer ({attention_layers} layers).",
         "KV memory blocks: over all layers. A per-head policy (H2O, Scissorhands, SnapKV) keeps "
         "one token table per KV head, so its blocks hold one KV head each.",

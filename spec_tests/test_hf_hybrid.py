@@ -13,7 +13,6 @@ import warnings
 
 import pytest
 import torch
-import transformers
 from transformers import AutoModelForCausalLM, DynamicCache, LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import (
     LinearAttentionAndFullAttentionLayer,
@@ -26,96 +25,14 @@ from kvstack.arena import KVArena
 from kvstack.errors import ArenaExhausted, InvalidArgumentError, KVStackError
 from kvstack.hf import PagedCache, PagedLayer, TokenTableCache, TokenTableLayer
 from kvstack.hf.state_layers import ArenaStateLayer, HybridStateLayer
+from kvstack.models import TINY_HYBRIDS, tiny_hybrid_config
 from kvstack.policies import H2O
 
-BASE = dict(
-    initializer_range=0.2,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=128,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=127,
-)
-MAMBA = dict(
-    mamba_n_heads=8,
-    mamba_d_head=16,
-    mamba_n_groups=1,
-    mamba_d_state=16,
-    mamba_d_conv=4,
-    mamba_expand=2,
-    mamba_chunk_size=16,
-)
-HYBRIDS = ["jamba", "bamba", "qwen3_next", "lfm2", "nemotron_h", "falcon_h1"]
+HYBRIDS = list(TINY_HYBRIDS)
 
 
 def hybrid_config(name: str, **overrides):
-    if name == "jamba":
-        return transformers.JambaConfig(
-            **BASE,
-            num_hidden_layers=4,
-            attn_layer_period=2,
-            attn_layer_offset=1,
-            expert_layer_period=2,
-            expert_layer_offset=1,
-            num_experts=2,
-            num_experts_per_tok=1,
-            mamba_d_state=8,
-            mamba_d_conv=4,
-            mamba_expand=2,
-            mamba_dt_rank=8,
-            **overrides,
-        )
-    if name == "qwen3_next":
-        return transformers.Qwen3NextConfig(
-            **BASE,
-            num_hidden_layers=4,
-            head_dim=16,
-            layer_types=["linear_attention", "full_attention"] * 2,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=32,
-            **overrides,
-        )
-    if name == "lfm2":
-        return transformers.Lfm2Config(
-            **BASE,
-            num_hidden_layers=4,
-            full_attn_idxs=[1, 3],
-            block_auto_adjust_ff_dim=False,
-            **overrides,
-        )
-    if name == "bamba":
-        return transformers.BambaConfig(
-            **BASE, **MAMBA, num_hidden_layers=4, attn_layer_indices=[1, 3], **overrides
-        )
-    if name == "nemotron_h":
-        return transformers.NemotronHConfig(
-            **BASE,
-            head_dim=16,
-            # mamba, attention, an MLP-only layer (no cache), mamba, attention
-            layers_block_type=["mamba", "attention", "mlp", "mamba", "attention"],
-            mamba_num_heads=8,
-            mamba_head_dim=16,
-            n_groups=1,
-            ssm_state_size=16,
-            conv_kernel=4,
-            expand=2,
-            chunk_size=16,
-            **overrides,
-        )
-    if name == "falcon_h1":  # every layer "hybrid": a mamba mixer and an attention side by side
-        return transformers.FalconH1Config(
-            **BASE, **MAMBA, head_dim=16, num_hidden_layers=2, mamba_d_ssm=128, **overrides
-        )
-    raise KeyError(name)
+    return tiny_hybrid_config(name, **overrides)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -24,6 +24,9 @@ def test_readme_hf_example_runs():
     assert stats["live_tokens_per_layer"] == budget  # one row, each layer at its budget
     assert stats["live_tokens_all_layers"] == 30 * budget  # 30 layers
     assert stats["bytes_used_kv"] < namespace["paged"].stats()["bytes_used_kv"]
+    arena = namespace["arena"]  # the shared-arena part: three caches, one fixed buffer
+    assert arena.capacity_bytes == 32 * 2**20 and arena.stats()["peak_bytes_used"] > 0
+    assert arena.bytes_used == 0 and not arena.pages  # every request released its pages
 
 
 def test_readme_example_runs_and_its_comments_hold():
@@ -56,6 +59,6 @@ def test_every_listed_capability_names_code_and_tests_that_exist():
                 r"^(def test_|class \w+\(RuleBasedStateMachine\))", (root / path).read_text(), re.M
             ), path
     planned = section and text.split("Planned, not yet here", 1)[1].split("\n\n", 1)[0]
-    for name in ("KVArena", "Engine", "Tangram", "PersistentKV", "InferScale", "CUDA kernels"):
+    for name in ("Engine", "Tangram", "PersistentKV", "InferScale", "CUDA kernels"):
         assert name in planned, f"{name} should be listed as planned"
         assert name not in section, f"{name} is planned but the table of what exists lists it"
