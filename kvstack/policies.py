@@ -339,7 +339,8 @@ class SnapKV(EvictionPolicy):
     def observe(self, state: dict, alive: torch.Tensor, weights: torch.Tensor) -> None:
         per_query = weights.float().sum(dim=1)  # [N, T_q, T], summed over the group's heads
         for query in range(max(0, per_query.shape[1] - self.window), per_query.shape[1]):
-            state["rows"].append(per_query[:, query])
+            # A copy: a view would keep the whole chunk's [N, T_q, T] weights alive.
+            state["rows"].append(per_query[:, query].clone())
         del state["rows"][: -self.window]
 
     def scores(self, state: dict, alive: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,9 @@ Plain PyTorch, one module per mechanism, each stating its invariants in its docs
     attention    attention over token tables for decode and prefill chunks, with LSE
     merge        merge of attention states by log-sum-exp; multi-segment attention (AsymCache)
     rope         chunked RoPE: rotate pre-RoPE keys, re-rotate stored keys (InferScale)
+    arena        one memory budget: KV and state pages, compaction, private arenas (KVArena)
+    arena_layouts  hybrid-model memory layouts: vLLM's padded unified pages, SGLang's dual
+                 pools, kvstack's arena, on a request trace
 
 Nothing here imports from kvstack.compiled or kvstack.cuda_kernels.
 """

@@ -89,7 +89,9 @@ def parse_bytes(name: str, value: int | str) -> int:
             f"{name}={value!r} is not a byte count; expected a non-negative number with an "
             f"optional unit in {sorted(u for u in _UNITS if u)} (e.g. '2GiB')"
         )
-    raise InvalidDTypeError(f"{name} must be an int or a str, got {type(value).__name__}")
+    raise InvalidDTypeError(
+        f"{name} must be an int or a str such as '2GiB', got {value!r} ({type(value).__name__})"
+    )
 
 
 def format_bytes(n: float) -> str:
@@ -108,6 +110,7 @@ class Page:
     size: int
     owner: Any
     align: int = 1  # compaction keeps ``offset % align == 0``
+    run: Page | None = None  # the first page of a ``contiguous`` allocation this page is part of
 
     @property
     def end(self) -> int:
@@ -280,7 +283,9 @@ class KVArena:
         pages = []
         for index, offset in enumerate(offsets):
             page_align = align if (index == 0 or not contiguous) else 1
-            page = Page(kind, offset, size, owner, page_align)
+            page = Page(
+                kind, offset, size, owner, page_align, pages[0] if pages and contiguous else None
+            )
             self._take(offset, size)
             self.pages.add(page)
             pages.append(page)
@@ -391,19 +396,33 @@ class KVArena:
             owner.pages_moved(moves)
 
     def _compaction_targets(self, two_ended: bool) -> dict[Page, int] | None:
-        """Each page's offset after compaction, or None when the two ends would overlap."""
-        pages = sorted(self.pages, key=lambda page: page.offset)
-        down = [page for page in pages if not two_ended or page.kind == "kv"]
-        up = [page for page in reversed(pages) if two_ended and page.kind == "state"]
+        """Each page's offset after compaction, or None when the two ends would overlap. The
+        pages of one ``contiguous`` allocation move as one unit, so they stay back to back."""
+        units: list[list[Page]] = []
+        for page in sorted(self.pages, key=lambda page: page.offset):
+            if page.run is not None and units and units[-1][0] is page.run:
+                units[-1].append(page)
+            else:
+                units.append([page])
+        down = [unit for unit in units if not two_ended or unit[0].kind == "kv"]
+        up = [unit for unit in reversed(units) if two_ended and unit[0].kind == "state"]
         targets: dict[Page, int] = {}
+
+        def place(unit: list[Page], start: int) -> None:
+            for page in unit:
+                targets[page] = start
+                start += page.size
+
         cursor = 0
-        for page in down:
-            targets[page] = math.ceil(cursor / page.align) * page.align
-            cursor = targets[page] + page.size
+        for unit in down:
+            start = math.ceil(cursor / unit[0].align) * unit[0].align
+            place(unit, start)
+            cursor = start + sum(page.size for page in unit)
         top = self.capacity
-        for page in up:
-            targets[page] = (top - page.size) // page.align * page.align
-            top = targets[page]
+        for unit in up:
+            start = (top - sum(page.size for page in unit)) // unit[0].align * unit[0].align
+            place(unit, start)
+            top = start
         return targets if cursor <= top else None
 
     def _rebuild_free_extents(self) -> None:
@@ -435,12 +454,25 @@ class KVArena:
         return math.ceil(elements / self.segment) * self.segment
 
     def _grow_for(self, size: int, count: int, align: int, contiguous: bool) -> None:
-        """Grow by whole segments until the pages fit: the ones that fit in holes go there, the
-        rest at the end."""
-        while self._place(size, count, align, contiguous) is None:
-            fitting = 0 if contiguous else len(self._place_some(size, count, align))
-            missing = (count - fitting) * math.ceil(size / align) * align + align
-            self._resize(self._round_to_segments(self.capacity + missing))
+        """Grow by the fewest whole segments that make the pages fit: the ones that fit in holes
+        below the free tail go there, the rest at the end."""
+        tail = self.capacity  # start of the free extent that reaches the end, if any
+        holes = self.free_extents
+        if holes and holes[-1][1] == self.capacity:
+            tail, holes = holes[-1][0], holes[:-1]
+        start = math.ceil(tail / align) * align
+        if contiguous:
+            end = start + size * count
+        else:
+            fitting = 0
+            for hole_start, hole_end in holes:
+                offset = math.ceil(hole_start / align) * align
+                while offset + size <= hole_end and fitting < count:
+                    fitting += 1
+                    offset = math.ceil((offset + size) / align) * align
+            missing = count - fitting
+            end = start + (missing - 1) * math.ceil(size / align) * align + size
+        self._resize(self._round_to_segments(max(end, self.capacity + 1)))
 
     def trim(self) -> None:
         """Give whole empty segments back to torch (private arenas): when at least two segments

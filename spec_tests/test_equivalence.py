@@ -140,6 +140,77 @@ def compare_copy_slots(fast, ref, dtype):
 
 
 @st.composite
+def move_pages_inputs(draw):
+    """Page moves as ``KVArena.compact`` makes them, or any permutation of disjoint runs: the
+    destinations never overlap one another, but each may overlap any source (the op's contract),
+    so an implementation that writes a run before it has read every source is caught."""
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+    if draw(st.booleans()):
+        # A compaction: random pages (gap before each, size, alignment, kind) slide down to the
+        # lowest offset their alignment allows ("kv"), or up to the top ("state", two-ended).
+        pages = draw(
+            st.lists(
+                st.tuples(
+                    st.integers(0, 9),
+                    st.integers(1, 12),
+                    st.sampled_from([1, 1, 4, 8]),
+                    st.sampled_from(["kv", "state"]),
+                ),
+                max_size=8,
+            )
+        )
+        two_ended = draw(st.booleans())
+        layout, cursor = [], 0
+        for gap, size, align, kind in pages:
+            offset = -(-(cursor + gap) // align) * align
+            layout.append((offset, size, align, kind))
+            cursor = offset + size
+        total = cursor + draw(st.integers(0, 9))
+        down = [page for page in layout if not two_ended or page[3] == "kv"]
+        up = [page for page in reversed(layout) if two_ended and page[3] == "state"]
+        runs, cursor, top = [], 0, total
+        for offset, size, align, _ in down:
+            target = -(-cursor // align) * align
+            runs.append((offset, target, size))
+            cursor = target + size
+        for offset, size, align, _ in up:
+            target = (top - size) // align * align
+            runs.append((offset, target, size))
+            top = target
+        assume(cursor <= top)  # the two ends collide: the arena would compact one way only
+        runs = [run for run in runs if run[0] != run[1]]  # the arena moves only what moves
+    else:
+        # A permutation: runs tile [base, ...) and are laid out again, in another order, from
+        # another base; some runs are left where they are.
+        sizes = draw(st.lists(st.integers(1, 12), max_size=8))
+        order = draw(st.permutations(range(len(sizes))))
+        moving = draw(st.lists(st.booleans(), min_size=len(sizes), max_size=len(sizes)))
+        src_base, dst_base = draw(st.integers(0, 9)), draw(st.integers(0, 9))
+        sources = [src_base + sum(sizes[:i]) for i in range(len(sizes))]
+        destinations, cursor = {}, dst_base
+        for i in order:
+            destinations[i] = cursor
+            cursor += sizes[i]
+        runs = [(sources[i], destinations[i], sizes[i]) for i in order if moving[i]]
+        total = max(src_base, dst_base) + sum(sizes) + draw(st.integers(0, 4))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    buffer = torch.randn(total, generator=gen).to(dtype)  # [E] distinct values
+    src, dst, size = (torch.tensor([run[k] for run in runs], dtype=torch.int64) for k in range(3))
+    return (buffer, src, dst, size), {}, dtype
+
+
+def run_move_pages(fn, args, kwargs):
+    buffer, src, dst, sizes = args
+    buffer = buffer.clone()
+    fn(buffer, src, dst, sizes, **kwargs)
+    return buffer
+
+
+def compare_move_pages(fast, ref, dtype):
+    assert torch.equal(fast.cpu(), ref.cpu()), "page moves are exact"
+
+
+@st.composite
 def rope_inputs(draw, rerotate: bool):
     head_dim = draw(st.sampled_from([8, 32, 64]))
     tokens, heads = draw(st.integers(1, 40)), draw(st.integers(1, 3))
@@ -166,6 +237,7 @@ CASES = {
     "merge_attention_states": (merge_inputs(), call, compare_merge),
     "multi_segment_attention": (multi_segment_inputs(), call, compare_multi_segment),
     "copy_slots": (copy_slots_inputs(), run_copy_slots, compare_copy_slots),
+    "move_pages": (move_pages_inputs(), run_move_pages, compare_move_pages),
     "rotate_keys": (rope_inputs(rerotate=False), call, compare_tensors),
     "rerotate_keys": (rope_inputs(rerotate=True), call, compare_tensors),
 }
