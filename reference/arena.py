@@ -56,6 +56,7 @@ from kvstack.reference.block_pool import BlockPool
 from kvstack.reference.checks import FLOAT_DTYPES, check_positive_int
 
 PAGE_KINDS = ("kv", "state")
+FLOAT_DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 DEFAULT_SEGMENT_BYTES = 1 << 20  # 1 MiB: a private arena grows and shrinks by this much
 _UNITS = {
     "": 1,
@@ -175,9 +176,20 @@ class KVArena:
         move: Callable[..., None] | None = None,
     ) -> KVArena:
         """An arena that starts empty and grows (and shrinks) in segments of ``segment_bytes``."""
-        arena = cls(segment_bytes, device=device, dtype=dtype, move=move)
+        segment = parse_bytes("segment_bytes", segment_bytes)
+        if dtype not in FLOAT_DTYPE_BYTES:
+            raise InvalidDTypeError(
+                f"dtype must be one of {[str(d) for d in FLOAT_DTYPES]}, got {dtype!r}"
+            )
+        if segment < FLOAT_DTYPE_BYTES[dtype]:
+            raise InvalidArgumentError(
+                f"segment_bytes must hold at least one {dtype} element "
+                f"({FLOAT_DTYPE_BYTES[dtype]} bytes), got {segment_bytes!r}"
+            )
+        arena = cls(FLOAT_DTYPE_BYTES[dtype], device=device, dtype=dtype, move=move)
+        # Built with one element, then emptied: a private arena holds nothing until a page needs it.
         arena.growable = True
-        arena.segment = arena.capacity
+        arena.segment = segment // arena.itemsize
         arena._init_storage(0)
         return arena
 
