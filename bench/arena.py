@@ -319,11 +319,15 @@ def run_arena(
 def readme_tables(results: dict) -> dict[str, str]:
     """The README's arena table, from a results file."""
     w = results["workload"]
-    names = [name for name in results["figures"] if name.startswith("arena.")]
+    # The headline figures; the per-model hybrid figures stay in the results file and report.
+    models = set(w["hybrid"]["models"])
+    names = [name for name in results["figures"] if name.rsplit(".", 1)[-1] not in models]
     workload = (
         f"Workload: {w['model']}, {w['dtype']} on {w['device']}; prompt {w['prompt_tokens']} "
         f"tokens, {w['new_tokens']} greedy new tokens, batch 1; DynamicCache holds "
-        f"{format_value(w['dynamic_bytes'] / 2**20, 'MiB')} MiB."
+        f"{format_value(w['dynamic_bytes'] / 2**20, 'MiB')} MiB. Hybrid layouts: "
+        f"{', '.join(w['hybrid']['models'])}; {w['hybrid']['budget']}; "
+        "max_sequences sums the three models, waste and ratios are the worst model."
     )
     return {"arena": figure_table(results, names) + "\n\n" + workload}
 
