@@ -427,3 +427,21 @@ def test_rename_blocks_keeps_every_live_token_readable_after_a_compaction():
     for pool in (wide, narrow):  # both pools' blocks moved, so the renames were exercised
         assert sorted(pool.pages) != blocks[id(pool)], f"{pool} did not move"
     arena.check_invariants()
+
+
+@pytest.mark.parametrize("moves", [1, 7, 16])
+def test_copy_slots_on_arena_views_matches_the_reference(moves):
+    """K and V of an ArenaBlockPool are views of one buffer, so the fastest copy_slots takes its
+    eager path there; it must still copy exactly what the reference copies."""
+    from kvstack import ops
+
+    arena = KVArena(64 * 1024)
+    pool = ArenaBlockPool(arena, 4, 2, HEAD_DIM)
+    pool.allocate(8)
+    arena.buffer.copy_(torch.randn(arena.buffer.shape, generator=torch.Generator().manual_seed(0)))
+    slots = torch.randperm(32, generator=torch.Generator().manual_seed(moves))
+    src, dst = slots[:moves], slots[moves : 2 * moves]  # disjoint, as a repack plan's are
+    key, value = pool.key.clone(), pool.value.clone()
+    ops.get("copy_slots")(pool.key, pool.value, src, dst)
+    ops.get("copy_slots", "reference")(key, value, src, dst)
+    assert torch.equal(pool.key, key) and torch.equal(pool.value, value)
