@@ -38,6 +38,13 @@ from kvstack.reference.checks import FLOAT_DTYPES, check_positive_int, check_ten
 from kvstack.reference.token_table import TokenTable
 
 
+def grown_capacity(needed: int, capacity: int) -> int:
+    """The capacity a per-logical-token buffer grows to when it must hold ``needed`` columns:
+    a quarter more than now (amortised O(1) copies per column, as doubling, but at most a
+    quarter of the buffer unused: these buffers count in the cache's real bytes), at least 64."""
+    return max(needed, capacity + capacity // 4, 64)
+
+
 class TokenTableBatch:
     def __init__(
         self, num_tables: int, block_size: int, *, device: torch.device | str = "cpu"
@@ -305,7 +312,7 @@ class TokenTableBatch:
         capacity = self._slots.shape[1]
         if columns <= capacity:
             return
-        old, capacity = capacity, max(columns, 2 * capacity, 64)
+        old, capacity = capacity, grown_capacity(columns, capacity)
         slots = torch.full((self.num_tables, capacity), -1, dtype=torch.int64, device=self.device)
         alive = torch.zeros((self.num_tables, capacity), dtype=torch.bool, device=self.device)
         slots[:, :old] = self._slots

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvstack.compiled.token_tables import grown_capacity
 from kvstack.errors import InvalidArgumentError
 
 
@@ -59,8 +60,8 @@ def select_state(state: Any, picks: torch.Tensor) -> Any:
         return {key: select_state(value, picks) for key, value in state.items()}
     if isinstance(state, (list, tuple)):
         return type(state)(select_state(value, picks) for value in state)
-    if state is None:
-        return None
+    if state is None or isinstance(state, (int, float)):  # a scalar shared by every table
+        return state
     raise TypeError(f"cannot select tables of a {type(state).__name__} state; override select")
 
 
@@ -81,7 +82,9 @@ class LogicalScores:
             self.values = self.values.to(device)
         capacity = self.values.shape[1]
         if capacity < num_tokens:
-            grown = self.values.new_zeros(self.values.shape[0], max(num_tokens, 2 * capacity))
+            grown = self.values.new_zeros(
+                self.values.shape[0], grown_capacity(num_tokens, capacity)
+            )
             grown[:, :capacity] = self.values
             self.values = grown
         return self.values[:, :num_tokens]
@@ -319,7 +322,17 @@ class SnapKV(EvictionPolicy):
     """SnapKV (Li et al., 2024), per KV head: a token's score is the attention it receives from
     the last ``window`` queries (the observation window), summed over those queries and the
     heads that read this KV head, then max-pooled over neighbouring tokens (``kernel_size``) so
-    that kept tokens come with their context; the window itself is always kept."""
+    that kept tokens come with their context; the window itself is always kept.
+
+    The paper compresses once, after prefill, from the last ``window`` prompt queries. Here
+    eviction goes on through decode, and the observation window hops rather than slides:
+    windows of ``window`` queries tile the query stream from its first query, and the votes
+    are those of the last closed window plus the open one's (``window`` to ``2 * window - 1``
+    queries; a P-token prompt's first eviction uses its last ``window + P % window``). Tiling
+    the stream makes the votes independent of how queries are split across calls (prefill
+    chunks, observation chunks), and the state is two running sums per table instead of
+    ``window`` rows of attention: it costs what H2O's does (kvpress's DecodingPress likewise
+    rescores from a buffer of recent queries every few steps)."""
 
     needs_attention_weights = True
     per_head = True
@@ -334,17 +347,37 @@ class SnapKV(EvictionPolicy):
         self.kernel_size = kernel_size
 
     def init_state(self, num_tables: int) -> dict:
-        return {"rows": []}  # [N, T] attention rows of the most recent queries, oldest first
+        # By logical index: the votes of the last closed window, of the open one, and how many
+        # queries the open one holds (the same for every table: they see the same queries).
+        return {
+            "closed": LogicalScores.zeros(num_tables),
+            "open": LogicalScores.zeros(num_tables),
+            "open_queries": 0,
+        }
 
     def observe(self, state: dict, alive: torch.Tensor, weights: torch.Tensor) -> None:
         per_query = weights.float().sum(dim=1)  # [N, T_q, T], summed over the group's heads
-        for query in range(max(0, per_query.shape[1] - self.window), per_query.shape[1]):
-            # A copy: a view would keep the whole chunk's [N, T_q, T] weights alive.
-            state["rows"].append(per_query[:, query].clone())
-        del state["rows"][: -self.window]
+        num_queries, num_tokens = per_query.shape[1], alive.shape[1]
+        start = 0
+        while start < num_queries:
+            if state["open_queries"] == 0 and num_queries - start >= 2 * self.window:
+                start += self.window  # this window and the next close here: the next wins
+                continue
+            fill = min(self.window - state["open_queries"], num_queries - start)
+            state["open"].at(num_tokens, alive.device).add_(
+                per_query[:, start : start + fill].sum(dim=1)
+            )
+            state["open_queries"] += fill
+            start += fill
+            if state["open_queries"] == self.window:  # close it; it replaces the last closed
+                state["closed"], state["open"] = state["open"], state["closed"]
+                state["open"].at(num_tokens, alive.device).zero_()
+                state["open_queries"] = 0
 
     def scores(self, state: dict, alive: torch.Tensor) -> torch.Tensor:
-        votes = _padded_sum(state["rows"], alive.shape[0], alive.shape[1], alive.device)
+        votes = state["closed"].at(alive.shape[1], alive.device) + state["open"].at(
+            alive.shape[1], alive.device
+        )  # [N, T]
         # SnapKV (Listing 1) pools the prefix only, over live neighbours: the window is kept
         # whole, and its own votes must not leak into the scores of the prefix tokens next to it.
         order = torch.sort(~alive, dim=1, stable=True).indices  # [N, T]: live first, in order

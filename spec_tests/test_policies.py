@@ -288,17 +288,19 @@ def test_snapkv_votes_of_the_window_max_pooled_over_live_neighbours():
     policy = SnapKV(window=window, kernel_size=kernel)
     state = policy.init_state(1)
     rows = {
-        (0, 0): {5: 1.0},  # the oldest query is outside the observation window: ignored
-        (0, 1): {2: 0.25, 7: 0.5, 8: 0.25},
-        (1, 1): {2: 0.25, 6: 0.0625, 8: 0.6875},
-        (0, 2): {6: 0.0625, 7: 0.9375},
-        (1, 2): {7: 0.5, 8: 0.5},
+        # The two oldest queries form a window that the next one replaces: ignored.
+        (0, 0): {5: 1.0},
+        (1, 1): {4: 1.0},
+        (0, 2): {2: 0.25, 7: 0.5, 8: 0.25},
+        (1, 2): {2: 0.25, 6: 0.0625, 8: 0.6875},
+        (0, 3): {6: 0.0625, 7: 0.9375},
+        (1, 3): {7: 0.5, 8: 0.5},
     }
-    observe(policy, state, table, weights_from(rows, table, heads=2, queries=3))
+    observe(policy, state, table, weights_from(rows, table, heads=2, queries=4))
 
     votes = defaultdict(float)
     for (_, query), row in rows.items():
-        if query >= 3 - window:
+        if query >= 4 - window:
             for index, value in row.items():
                 votes[index] += value
     # SnapKV (Listing 1): the window's own tokens are kept whole; only the prefix is pooled,
@@ -324,19 +326,69 @@ def test_snapkv_always_keeps_the_window():
     assert victims(policy, state, table, 5) == [0, 1, 2, 3, 4, 5, 6]
 
 
-def test_snapkv_window_spans_observe_calls():
+def test_snapkv_window_hops_across_observe_calls():
+    """Windows of ``window`` queries tile the query stream; the votes are the last closed
+    window's plus the open one's, and a full open window closes and replaces the closed one."""
     pool, table = make_table(5)
     policy = SnapKV(window=2, kernel_size=1)
     state = policy.init_state(1)
-    step1 = {(0, 0): {0: 1.0}, (0, 1): {1: 0.5, 3: 0.5}}
-    observe(policy, state, table, weights_from(step1, table, 1, 2))
+    prompt = {(0, 0): {4: 1.0}, (0, 1): {0: 1.0}, (0, 2): {1: 0.5, 3: 0.5}}
+    observe(policy, state, table, weights_from(prompt, table, 1, 3))
+    # Queries 0 and 1 close the first window; query 2 opens the next: all three vote.
+    assert scores(policy, state, table).tolist() == [1.0, 0.5, 0.0, 0.5, 1.0]
+    assert state["open_queries"] == 1
+
     append(pool, table, 1)
     observe(policy, state, table, weights_from({(0, 0): {2: 1.0}}, table, 1, 1))
-    # The window is the last two queries ({1, 3} and {2}); the query that voted for 0 has left
-    # it. Votes 0: 0, 1: .5, 2: 1, 3: .5; tokens 4, 5 are the window.
+    # Queries 2 and 3 close the second window, which replaces the first (4 and 0 lose votes).
     votes = {0: 0.0, 1: 0.5, 2: 1.0, 3: 0.5}
+    assert scores(policy, state, table)[:4].tolist() == [votes[i] for i in range(4)]
+    assert state["open_queries"] == 0
     assert victims(policy, state, table, 4) == expected_victims(votes, {4, 5}, live(table), 4)
     assert victims(policy, state, table, 4) == [0, 1]
+
+    append(pool, table, 1)
+    observe(policy, state, table, weights_from({(0, 0): {5: 0.75, 6: 0.25}}, table, 1, 1))
+    # One more query opens the third window: the closed two and this one vote.
+    assert scores(policy, state, table).tolist() == [0.0, 0.5, 1.0, 0.5, 0.0, 0.75, 0.25]
+
+
+@given(
+    window=st.integers(1, 6),
+    num_queries=st.integers(1, 20),
+    cuts=st.lists(st.integers(1, 19), max_size=4),
+    seed=st.integers(0, 2**16),
+)
+def test_snapkv_votes_do_not_depend_on_how_queries_are_split(window, num_queries, cuts, seed):
+    _, table = make_table(12)
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.rand(2, num_queries, 12, generator=gen)
+    policy = SnapKV(window=window, kernel_size=1)
+    whole, split = policy.init_state(1), policy.init_state(1)
+    observe(policy, whole, table, weights)
+    bounds = sorted({0, num_queries, *(c for c in cuts if c < num_queries)})
+    for start, end in zip(bounds, bounds[1:], strict=False):
+        observe(policy, split, table, weights[:, start:end])
+    assert whole["open_queries"] == split["open_queries"] == num_queries % window
+    torch.testing.assert_close(scores(policy, whole, table), scores(policy, split, table))
+    # By hand: the last closed window and the open one.
+    voted = num_queries % window + (window if num_queries >= window else 0)
+    expected = weights[:, num_queries - voted :].sum(dim=(0, 1))
+    torch.testing.assert_close(policy.scores(whole, table.alive[None])[0], expected)
+
+
+def test_snapkv_state_is_two_sums_not_window_rows():
+    """Memory: whatever the window, the state is two [N, T] sums (and a count)."""
+    pool, table = make_table(40)
+    policy = SnapKV(window=16, kernel_size=3)
+    state = policy.init_state(1)
+    for _ in range(50):
+        append(pool, table, 1)
+        weights = torch.softmax(torch.randn(1, 1, len(live(table))), dim=-1)
+        observe(policy, state, table, weights)
+    tensors = [state["closed"].values, state["open"].values]
+    assert sorted(state) == ["closed", "open", "open_queries"]
+    assert all(t.shape[0] == 1 and t.shape[1] < 2 * table.num_tokens for t in tensors)
 
 
 # ----------------------------------------------------------------- StreamingLLM

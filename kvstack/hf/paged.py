@@ -28,7 +28,7 @@ from transformers.cache_utils import (
 )
 
 from kvstack.arena import KVArena
-from kvstack.compiled.token_tables import TokenTableBatch
+from kvstack.compiled.token_tables import TokenTableBatch, grown_capacity
 from kvstack.errors import InvalidArgumentError, KVStackError
 from kvstack.hf import attention as kv_attention
 from kvstack.hf import state_layers
@@ -231,8 +231,10 @@ class PagedLayer(CacheLayerMixin):
     def query_positions(self, query_length: int) -> torch.Tensor:
         """Logical indices of the last ``query_length`` tokens of each table: [N, T_q]."""
         seen = self.batch.num_tokens
-        if self._arange.shape[0] < seen:  # grown by doubling: a decode step slices, not allocates
-            self._arange = torch.arange(max(seen, 2 * self._arange.shape[0]), device=self.device)
+        if self._arange.shape[0] < seen:  # grown ahead: a decode step slices, not allocates
+            self._arange = torch.arange(
+                grown_capacity(seen, self._arange.shape[0]), device=self.device
+            )
         return self._arange[seen - query_length : seen].expand(self.batch.num_tables, query_length)
 
     def evict_padding(self, new_token_mask: torch.Tensor) -> None:
