@@ -1,0 +1,112 @@
+"""``CacheSpec``: which kvstack cache every request of an engine gets, and what it costs.
+
+``CacheSpec()`` is the lossless ``PagedCache``; ``CacheSpec(policy=H2O(), ratio=0.5)`` an
+evicting ``TokenTableCache`` (``reclaim=False``: vToken's Naive-Evict baseline, whose blocks never
+shrink). Besides building one cache per request on the engine's arena, the spec answers the two
+memory questions the scheduler asks, in arena bytes:
+
+* ``admission_bytes``: what a request must find free before it starts (its prompt for a lossless
+  cache, budget + prefill chunk for an evicting one, plus decode headroom);
+* ``lifetime_bytes``: the most it can ever hold alone (a request whose lifetime bytes exceed the
+  arena can never finish and is refused at ``submit``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from kvstack.arena import KVArena
+from kvstack.errors import InvalidArgumentError
+from kvstack.hf import ATTENTION_NAME, PagedCache, TokenTableCache
+from kvstack.policies import EvictionPolicy
+from kvstack.reference.checks import check_positive_int
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """The cache kind: ``policy`` None is lossless (``PagedCache``); otherwise a
+    ``TokenTableCache`` keeping ``budget`` live tokens per table, or ``ratio`` of the prompt."""
+
+    policy: EvictionPolicy | None = None
+    budget: int | None = None
+    ratio: float | None = None
+    reclaim: bool = True
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        check_positive_int("block_size", self.block_size)
+        if not isinstance(self.reclaim, bool):
+            raise InvalidArgumentError(f"reclaim must be True or False, got {self.reclaim!r}")
+        if self.policy is None:
+            if self.budget is not None or self.ratio is not None or not self.reclaim:
+                raise InvalidArgumentError(
+                    "budget, ratio and reclaim=False describe an evicting cache; give a policy "
+                    f"(got policy=None, budget={self.budget!r}, ratio={self.ratio!r}, "
+                    f"reclaim={self.reclaim!r})"
+                )
+            return
+        if not isinstance(self.policy, EvictionPolicy):
+            raise InvalidArgumentError(
+                f"policy must be a kvstack.policies.EvictionPolicy or None, got "
+                f"{type(self.policy).__name__}"
+            )
+        # Budget and ratio (exactly one, in range for this policy) are checked by
+        # TokenTableCache itself when the engine builds its first cache from this spec.
+
+    @property
+    def evicting(self) -> bool:
+        return self.policy is not None
+
+    def build(self, config: Any, arena: KVArena, prefill_chunk: int | None) -> PagedCache:
+        """A fresh cache for one request, on ``arena``. ``config`` must run the ``"kvstack"``
+        attention (the engine hands each request's cache its own attention call)."""
+        if not self.evicting:
+            return PagedCache(config, block_size=self.block_size, arena=arena)
+        return TokenTableCache(
+            config,
+            policy=self.policy,
+            budget=self.budget,
+            ratio=self.ratio,
+            block_size=self.block_size,
+            reclaim=self.reclaim,
+            prefill_chunk=prefill_chunk,
+            arena=arena,
+        )
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """What one request's cache looks like in the arena: per attention layer, ``tables`` token
+    tables whose blocks are ``block_bytes`` each."""
+
+    attention_layers: int
+    tables: int  # per layer, for one sequence: 1, or the KV heads (per-head eviction)
+    block_size: int
+    block_bytes: int
+
+    @classmethod
+    def of(cls, cache: PagedCache, itemsize: int) -> CacheGeometry:
+        heads = 1 if cache.per_head_tables() else cache.expected_kv_heads
+        return cls(
+            attention_layers=len(cache.paged_layers),
+            tables=cache.expected_kv_heads // heads,
+            block_size=cache.block_size,
+            block_bytes=cache.min_page_bytes(itemsize),
+        )
+
+    def bytes_for(self, tokens_per_table: int, *, extra_blocks_per_table: int = 0) -> int:
+        """Arena bytes for every attention layer's tables to hold ``tokens_per_table`` tokens."""
+        blocks = math.ceil(tokens_per_table / self.block_size) + extra_blocks_per_table
+        return self.attention_layers * self.tables * blocks * self.block_bytes
+
+
+def cache_config(config: Any) -> Any:
+    """A copy of a model's config whose attention is ``"kvstack"``: each request's cache then
+    behaves as under ``generate`` with the kvstack attention, while the model itself runs the
+    engine's attention (which calls the kvstack attention once per sequence)."""
+    config = copy.deepcopy(config)
+    config._attn_implementation = ATTENTION_NAME
+    return config

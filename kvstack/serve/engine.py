@@ -1,0 +1,481 @@
+"""``Engine``: continuous batching of many requests on one fixed ``KVArena``.
+
+    arena = KVArena("64MiB")
+    engine = Engine(model, arena, cache=CacheSpec(policy=H2O(), ratio=0.5))
+    handles = [engine.submit(ids, max_new_tokens=64) for ids in prompts]
+    engine.run()                      # or: for request, new in engine.stream(): ...
+    print(handles[0].output_ids, handles[0].stats.ttft_s)
+
+Each request gets its own kvstack cache (``CacheSpec``) on the engine's arena, so the pages one
+request frees (eviction, repacking, finishing) serve the next. A step is one forward pass of the
+model over every scheduled request's tokens, packed into one row: decode tokens of running
+requests and prefill work of new ones, each with its own positions. The model runs the engine's
+attention (``"kvstack_serve"``), which splits the packed K/V by request and hands each request's
+part to that request's cache and the kvstack attention, exactly as ``generate`` with that cache
+would. (Attention therefore runs once per request and layer; batching it across requests is the
+performance issue's work.)
+
+A step, in order:
+
+1. **Admission**, FIFO: the oldest waiting request starts when the arena's free bytes, less
+   what running requests were promised (the rest of their admission bytes, and one block per
+   table of decode headroom), hold its ``admission_bytes``. Nobody overtakes it.
+2. **Batch**: each running request offers its next work (``scheduler.Work``); the
+   ``BatchRule`` orders the offers and the step takes them within ``max_batch_tokens``.
+3. **Pages**: the step's work must fit the free pages; while it does not, the newest running
+   request is preempted: its pages are returned and it waits, first in line, to recompute.
+   A lossless request recomputes its prompt and outputs as a prefill; an evicting one prefills
+   its prompt and replays its outputs one decode step each, so its cache makes the same
+   evictions again and its output does not change.
+4. **Forward and sampling**: requests whose work reached their last known token draw the next
+   one (``request.Sampling``); a request ends at a stop id or at ``max_new_tokens`` and returns
+   its pages.
+
+Hybrid models are refused for now: packing several requests into one row would run their
+recurrent layers across request boundaries.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache
+
+from kvstack.arena import KVArena
+from kvstack.errors import ArenaExhausted, InvalidArgumentError, KVStackError
+from kvstack.hf import PagedLayer, kvstack_attention
+from kvstack.reference.checks import check_positive_int
+from kvstack.serve.cache_spec import CacheGeometry, CacheSpec, cache_config
+from kvstack.serve.request import (
+    Request,
+    RequestStats,
+    Sampling,
+    check_max_new_tokens,
+    stop_set,
+    token_ids,
+)
+from kvstack.serve.scheduler import BatchRule, PageAwareRule, Work, fill_batch
+
+SERVE_ATTENTION = "kvstack_serve"
+DEFAULT_MAX_BATCH_TOKENS = 512
+DEFAULT_PREFILL_CHUNK = 256
+
+
+@dataclass
+class _Segment:
+    """One request's slice [start, end) of a step's packed tokens."""
+
+    cache: Any
+    start: int
+    end: int
+
+
+# The segments of the step being run: set by Engine._forward around the model call and read by
+# serve_attention (the attention interface has no other way to receive them).
+_SEGMENTS: list[_Segment] | None = None
+
+
+def serve_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The engine's attention: query [1, H_q, T, D] and key/value [1, H_kv, T, D] of a packed
+    step; each request's slice goes to its cache and the kvstack attention. Returns
+    [1, T, H_q, D]. Outside an engine step it is the kvstack attention."""
+    segments = _SEGMENTS
+    if segments is None:
+        return kvstack_attention(module, query, key, value, attention_mask, scaling, **kwargs)
+    outs = []
+    for segment in segments:
+        s, e = segment.start, segment.end
+        k, v = segment.cache.update(key[:, :, s:e], value[:, :, s:e], module.layer_idx)
+        out, _ = kvstack_attention(module, query[:, :, s:e], k, v, None, scaling, **kwargs)
+        outs.append(out)  # [1, e - s, H_q, D]
+    return torch.cat(outs, dim=1), None
+
+
+def register() -> None:
+    """Register ``"kvstack_serve"`` with transformers' attention interface (idempotent). It has
+    no mask function on purpose: transformers then builds no mask, and the caches mask."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(SERVE_ATTENTION, serve_attention)
+
+
+class _StepCache(Cache):
+    """What the model is given as its cache during a step: it stores nothing (serve_attention
+    stores each request's K/V in that request's cache) and hands K/V straight through."""
+
+    def __init__(self) -> None:
+        super().__init__(layers=[])
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+class Engine:
+    """Serve many requests from one fixed ``arena``; see the module docstring."""
+
+    def __init__(
+        self,
+        model: Any,
+        arena: KVArena,
+        *,
+        cache: CacheSpec | None = None,
+        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        rule: BatchRule | None = None,
+    ) -> None:
+        spec = CacheSpec() if cache is None else cache
+        if not isinstance(spec, CacheSpec):
+            raise InvalidArgumentError(
+                f"cache must be a kvstack.serve.CacheSpec, got {type(spec).__name__}"
+            )
+        if not isinstance(arena, KVArena):
+            raise InvalidArgumentError(
+                f"arena must be a kvstack.arena.KVArena, got {type(arena).__name__}"
+            )
+        if arena.growable:
+            raise InvalidArgumentError(
+                "arena must have a fixed capacity (KVArena(capacity)); an engine schedules "
+                "against one budget, and a private, growable arena has none"
+            )
+        check_positive_int("max_batch_tokens", max_batch_tokens)
+        check_positive_int("prefill_chunk", prefill_chunk)
+        if prefill_chunk > max_batch_tokens:
+            raise InvalidArgumentError(
+                f"prefill_chunk ({prefill_chunk}) must be at most max_batch_tokens "
+                f"({max_batch_tokens}): a chunk has to fit in one step"
+            )
+        parameter = next(model.parameters())
+        if parameter.dtype != arena.dtype or parameter.device != arena.device:
+            raise InvalidArgumentError(
+                f"the model runs in {parameter.dtype} on {parameter.device}, but the arena holds "
+                f"{arena.dtype} on {arena.device}; build the arena with the model's dtype and "
+                "device"
+            )
+        self.model = model
+        self.arena = arena
+        self.spec = spec
+        self.max_batch_tokens = max_batch_tokens
+        self.prefill_chunk = prefill_chunk
+        self.rule: BatchRule = PageAwareRule() if rule is None else rule
+        self._config = cache_config(model.config)
+        # A probe cache: checks the spec against this model (budget, ratio, arena dtype and
+        # size) before anything runs, and gives the page geometry the scheduler counts in.
+        probe = spec.build(self._config, arena, prefill_chunk)
+        if any(not isinstance(layer, PagedLayer) for layer in probe.layers):
+            raise KVStackError(
+                f"{model.config.model_type} has recurrent (state) layers; the engine does not "
+                "serve hybrid models yet (a packed step would run them across requests)"
+            )
+        self._probe = probe
+        self.geometry = CacheGeometry.of(probe, arena.itemsize)
+        self._cache_kwarg = (
+            "cache"
+            if "cache" in inspect.signature(type(model).forward).parameters
+            else "past_key_values"
+        )
+        register()
+        model.set_attn_implementation(SERVE_ATTENTION)
+        self._waiting: deque[Request] = deque()  # FIFO by id (preempted requests go first)
+        self._running: list[Request] = []  # in admission order
+        self._next_id = 0
+        self._step = 0
+        self.preemptions = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"Engine(cache={self.spec}, running={len(self._running)}, "
+            f"waiting={len(self._waiting)}, arena={self.arena})"
+        )
+
+    # ------------------------------------------------------------------ requests
+    def submit(
+        self,
+        input_ids: Any,
+        max_new_tokens: int,
+        *,
+        eos_token_id: int | Iterable[int] | None = None,
+        stop_ids: Iterable[int] | None = None,
+        sampling: Sampling | None = None,
+    ) -> Request:
+        """Queue a request (its prompt ``input_ids``: a list of ids or a [T] / [1, T] tensor)
+        and return its handle. Refused, with nothing queued, when even alone it could never fit
+        the arena."""
+        prompt = token_ids("input_ids", input_ids)
+        max_new_tokens = check_max_new_tokens(max_new_tokens)
+        stops = stop_set(eos_token_id, stop_ids)
+        sampling = Sampling() if sampling is None else sampling
+        if not isinstance(sampling, Sampling):
+            raise InvalidArgumentError(
+                f"sampling must be a kvstack.serve.Sampling, got {type(sampling).__name__}"
+            )
+        needed = max(
+            self.admission_bytes(len(prompt)), self.lifetime_bytes(len(prompt), max_new_tokens)
+        )
+        if needed > self.arena.capacity_bytes:
+            raise InvalidArgumentError(
+                f"a request of {len(prompt)} prompt tokens and up to {max_new_tokens} new tokens "
+                f"needs {needed} arena bytes with {self.spec}, more than the arena's whole "
+                f"capacity of {self.arena.capacity_bytes} bytes; it could never run"
+            )
+        request = Request(
+            id=self._next_id,
+            prompt_ids=prompt,
+            max_new_tokens=max_new_tokens,
+            stop_ids=stops,
+            sampling=sampling,
+            stats=RequestStats(submitted_at=time.perf_counter()),
+        )
+        self._next_id += 1
+        self._waiting.append(request)
+        return request
+
+    def cancel(self, request: Request) -> bool:
+        """Stop ``request`` and return its pages; False if it had already finished."""
+        if request.done:
+            return False
+        if request in self._running:
+            self._running.remove(request)
+            self._drop_cache(request)
+        elif request in self._waiting:
+            self._waiting.remove(request)
+        else:
+            raise InvalidArgumentError(f"{request!r} was not submitted to this engine")
+        self._finish(request, "cancelled")
+        return True
+
+    @property
+    def waiting(self) -> tuple[Request, ...]:
+        """Requests not yet admitted (or preempted), oldest first."""
+        return tuple(self._waiting)
+
+    @property
+    def running(self) -> tuple[Request, ...]:
+        """Requests holding a cache, in admission order."""
+        return tuple(self._running)
+
+    def has_work(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    def run(self) -> None:
+        """Step until every submitted request is done."""
+        while self.has_work():
+            self.step()
+
+    def stream(self) -> Iterator[tuple[Request, list[int]]]:
+        """Step until every request is done, yielding (request, its new tokens) as they come."""
+        while self.has_work():
+            yield from self.step()
+
+    # ------------------------------------------------------------------ memory
+    def admission_bytes(self, prompt_tokens: int) -> int:
+        """Arena bytes a request must find free to start: its prompt and one block per table of
+        decode headroom (lossless, or Naive-Evict, whose blocks never shrink), or for an
+        evicting cache its budget with decode slack plus one prefill chunk in flight."""
+        if self.spec.evicting and self.spec.reclaim:
+            tables = self.geometry.tables
+            blocks = self._probe.blocks_to_reserve(tables, prompt_tokens)
+            return blocks * self.geometry.block_bytes
+        return self.geometry.bytes_for(prompt_tokens, extra_blocks_per_table=1)
+
+    def lifetime_bytes(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """The most arena bytes a request can hold alone: every token for caches that keep all
+        blocks; an evicting cache's prefill peak."""
+        if self.spec.evicting and self.spec.reclaim:
+            return self.admission_bytes(prompt_tokens)
+        return self.geometry.bytes_for(prompt_tokens + max_new_tokens)
+
+    def _held_bytes(self, request: Request) -> int:
+        return 0 if request.cache is None else int(request.cache.stats()["bytes_used"])
+
+    def _promised_bytes(self) -> int:
+        """What running requests may still take without preemption: the rest of their
+        admission bytes, and one block per table each for their next decode token."""
+        headroom = self.geometry.bytes_for(0, extra_blocks_per_table=1)
+        return sum(
+            max(0, self.admission_bytes(len(r.prompt_ids)) - self._held_bytes(r)) + headroom
+            for r in self._running
+        )
+
+    def _step_bytes(self, work: Work) -> int:
+        """Upper bound of the arena bytes ``work`` adds in this step."""
+        request = work.request
+        if request.computed == 0 and self.spec.evicting and self.spec.reclaim:
+            return self.admission_bytes(len(request.prompt_ids))  # the prefill's peak
+        blocks = 0
+        for layer in request.cache.paged_layers:
+            if layer.is_initialized:
+                blocks += layer.batch.blocks_needed(work.tokens)
+            else:  # its first step: one table per group, each takes every new token
+                blocks += self.geometry.tables * -(-work.tokens // self.geometry.block_size)
+        return blocks * self.geometry.block_bytes
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[tuple[Request, list[int]]]:
+        """Run one step; return (request, new token ids) for every request that got tokens."""
+        self._step += 1
+        self._admit()
+        offers = [self._offer(request) for request in self._running]
+        batch = fill_batch(self.rule.order(offers, self._step), self.max_batch_tokens)
+        batch = self._fit_pages(batch)
+        if not batch:
+            return []
+        try:
+            logits = self._forward(batch)
+        except ArenaExhausted:
+            # The bound in _step_bytes should make this impossible; if it happens, every
+            # request of the step may hold part of its K/V: recompute them all.
+            if len(batch) == 1:
+                raise
+            for work in batch:
+                self._preempt(work.request)
+            return []
+        produced = []
+        for work, row in zip(batch, logits, strict=True):
+            request = work.request
+            request.computed += work.tokens
+            request.last_scheduled_step = self._step
+            if row is not None:
+                token = request.sampling.next_token(row, len(request.output_ids))
+                request.output_ids.append(token)
+                produced.append((request, [token]))
+                self._after_token(request, token)
+            self._track_peak(request)
+        return produced
+
+    def _admit(self) -> None:
+        while self._waiting:
+            request = self._waiting[0]
+            free = self.arena.bytes_free - self._promised_bytes()
+            if self.admission_bytes(len(request.prompt_ids)) > free and self._running:
+                return  # FIFO: nobody overtakes the oldest waiting request
+            self._waiting.popleft()
+            request.cache = self.spec.build(self._config, self.arena, self.prefill_chunk)
+            request.computed = 0
+            request.admitted_at_step = self._step
+            self._running.append(request)
+
+    def _offer(self, request: Request) -> Work:
+        tokens = request.tokens
+        remaining = len(tokens) - request.computed
+        if self.spec.evicting:
+            # The whole prompt in one step (the cache chunks it and fixes budgets from it),
+            # then one token per step: outputs replayed after a preemption, then decoding.
+            count = len(request.prompt_ids) if request.computed == 0 else 1
+            return Work(request, count, "decode" if request.computed else "prefill")
+        count = min(self.prefill_chunk, remaining)
+        kind = "decode" if remaining == 1 and request.output_ids else "prefill"
+        return Work(request, count, kind, flexible=True)
+
+    def _fit_pages(self, batch: list[Work]) -> list[Work]:
+        """Preempt the newest running requests until the step's pages fit the free bytes."""
+        while batch:
+            needed = sum(self._step_bytes(work) for work in batch)
+            if needed <= self.arena.bytes_free or len(self._running) == 1:
+                return batch
+            victim = self._running[-1]
+            self._preempt(victim)
+            batch = [work for work in batch if work.request is not victim]
+        return batch
+
+    def _preempt(self, request: Request) -> None:
+        self._running.remove(request)
+        self._drop_cache(request)
+        request.stats.preemptions += 1
+        self.preemptions += 1
+        # Running requests are all older than waiting ones (FIFO admission): it goes first.
+        position = next(
+            (i for i, waiting in enumerate(self._waiting) if waiting.id > request.id),
+            len(self._waiting),
+        )
+        self._waiting.insert(position, request)
+
+    def _drop_cache(self, request: Request) -> None:
+        if request.cache is not None:
+            request.cache.release()
+        request.cache = None
+        request.computed = 0
+
+    def _forward(self, batch: list[Work]) -> list[torch.Tensor | None]:
+        """One forward pass over the batch's tokens packed into one row; each request's logits
+        at its last token when that token is its newest (it then samples), else None."""
+        global _SEGMENTS
+        device = self.arena.device
+        ids, positions, segments, sample_at = [], [], [], []
+        start = 0
+        for work in batch:
+            request = work.request
+            first = request.computed
+            ids += request.tokens[first : first + work.tokens]
+            positions += range(first, first + work.tokens)
+            end = start + work.tokens
+            segments.append(_Segment(request.cache, start, end))
+            samples = first + work.tokens == len(request.tokens)
+            sample_at.append(end - 1 if samples else None)
+            start = end
+        keep = [index for index in sample_at if index is not None]
+        inputs = {
+            "input_ids": torch.tensor([ids], device=device),  # [1, T]: the step, packed
+            "position_ids": torch.tensor([positions], device=device),  # [1, T]
+            self._cache_kwarg: _StepCache(),
+            "use_cache": True,
+            "logits_to_keep": torch.tensor(keep or [0], device=device),
+        }
+        if self.model.config._attn_implementation != SERVE_ATTENTION:
+            self.model.set_attn_implementation(SERVE_ATTENTION)  # switched away since
+        _SEGMENTS = segments
+        try:
+            with torch.inference_mode():
+                logits = self.model(**inputs).logits[0]  # [len(keep), vocab]
+        finally:
+            _SEGMENTS = None
+        rows: list[torch.Tensor | None] = []
+        taken = 0
+        for index in sample_at:
+            rows.append(None if index is None else logits[taken])
+            taken += index is not None
+        return rows
+
+    def _after_token(self, request: Request, token: int) -> None:
+        stats = request.stats
+        stats.tokens = len(request.output_ids)
+        if stats.first_token_at is None:
+            stats.first_token_at = time.perf_counter()
+        if token in request.stop_ids:
+            self._finish_running(request, "stop")
+        elif len(request.output_ids) >= request.max_new_tokens:
+            self._finish_running(request, "length")
+
+    def _finish_running(self, request: Request, reason: str) -> None:
+        self._track_peak(request)
+        self._running.remove(request)
+        self._drop_cache(request)
+        self._finish(request, reason)
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.finish_reason = reason
+        request.stats.finished_at = time.perf_counter()
+
+    def _track_peak(self, request: Request) -> None:
+        if request.cache is None:
+            return
+        stats = request.cache.stats()
+        request.stats.peak_pages = max(request.stats.peak_pages, int(stats["blocks_allocated"]))
+        request.stats.peak_bytes = max(request.stats.peak_bytes, int(stats["peak_bytes_used"]))

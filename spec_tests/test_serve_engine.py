@@ -1,0 +1,300 @@
+"""The serving engine: many requests on one fixed arena give each request its solo tokens.
+
+Random tiny Llama models (fp32, CPU) on the reference attention backend (the specification,
+and no compile time). Solo runs: lossless requests against ``DynamicCache`` under ``generate``,
+evicting ones against ``generate`` with the same kvstack cache alone.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+import kvstack.hf
+from kvstack.arena import KVArena
+from kvstack.errors import InvalidArgumentError, KVStackError
+from kvstack.hf import TokenTableCache
+from kvstack.models import TINY_HYBRIDS, tiny_hybrid_config
+from kvstack.policies import H2O, SnapKV
+from kvstack.serve import CacheSpec, Engine, Sampling
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=1024,
+)
+BLOCK_BYTES = (
+    16 * 2 * 16 * 2 * 4
+)  # a whole-row block: 16 tokens x 2 KV heads x dim 16 x K, V x fp32
+PREFILL_CHUNK = 16
+SPECS = {
+    "paged": CacheSpec(),
+    "h2o": CacheSpec(policy=H2O(), ratio=0.5),
+    "snapkv": CacheSpec(policy=SnapKV(window=4, kernel_size=3), budget=12),
+    "h2o_naive": CacheSpec(policy=H2O(), ratio=0.5, reclaim=False),
+}
+
+
+@pytest.fixture(autouse=True)
+def _quiet_and_reference_backend():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        kvstack.hf.set_backend("reference")
+        try:
+            yield
+        finally:
+            kvstack.hf.set_backend(None)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY)).eval()
+    # The engine ends a request only at the stop ids it is given: so does generate here.
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(1, 256, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+_SOLO: dict = {}
+
+
+def solo(model, spec_name: str, ids: list[int], new_tokens: int) -> list[int]:
+    """The request's tokens run alone through ``generate`` (memoised: hypothesis repeats them)."""
+    key = (spec_name, tuple(ids), new_tokens)
+    if key not in _SOLO:
+        spec = SPECS[spec_name]
+        if spec.evicting:
+            model.set_attn_implementation("kvstack")
+            cache = TokenTableCache(
+                model.config,
+                policy=spec.policy,
+                budget=spec.budget,
+                ratio=spec.ratio,
+                reclaim=spec.reclaim,
+                prefill_chunk=PREFILL_CHUNK,
+            )
+        else:
+            model.set_attn_implementation("sdpa")
+            cache = DynamicCache(config=model.config)
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor([ids]),
+                past_key_values=cache,
+                do_sample=False,
+                max_new_tokens=new_tokens,
+                pad_token_id=0,
+            )
+        _SOLO[key] = out[0, len(ids) :].tolist()
+    return _SOLO[key]
+
+
+def engine(model, spec_name: str, capacity: int, **kwargs) -> Engine:
+    kwargs.setdefault("max_batch_tokens", 48)
+    kwargs.setdefault("prefill_chunk", PREFILL_CHUNK)
+    return Engine(model, KVArena(capacity), cache=SPECS[spec_name], **kwargs)
+
+
+@pytest.mark.parametrize("spec_name", sorted(SPECS))
+def test_every_request_gets_its_solo_tokens_and_the_arena_ends_empty(model, spec_name):
+    requests = [(prompt(9 + 11 * i, seed=i), 6 + i) for i in range(5)]
+    expected = [solo(model, spec_name, ids, n) for ids, n in requests]
+    serving = engine(model, spec_name, 64 * BLOCK_BYTES)
+    handles = [serving.submit(ids, n) for ids, n in requests]
+    serving.run()
+    assert [h.output_ids for h in handles] == expected
+    assert all(h.finish_reason == "length" and h.stats.tokens == len(h.output_ids) for h in handles)
+    assert serving.arena.bytes_used == 0
+    serving.arena.check_invariants()
+
+
+def test_a_step_batches_decodes_and_prefill_of_several_requests(model):
+    serving = engine(model, "paged", 64 * BLOCK_BYTES)
+    first = serving.submit(prompt(10, 1), 8)
+    serving.step()  # first's whole prompt, and its first token
+    second = serving.submit(prompt(30, 2), 8)
+    produced = serving.step()  # first decodes while second prefills its first chunk
+    assert [request for request, _ in produced] == [first]
+    assert second.computed == PREFILL_CHUNK and first.computed == 11
+    serving.run()
+    assert first.output_ids == solo(model, "paged", prompt(10, 1), 8)
+    assert second.output_ids == solo(model, "paged", prompt(30, 2), 8)
+
+
+@pytest.mark.parametrize("spec_name", ["paged", "h2o_naive"])
+def test_a_tight_arena_preempts_the_newest_and_outputs_do_not_change(model, spec_name):
+    # Short prompts, long outputs: admitted together, the requests outgrow the arena mid-decode.
+    # (Caches whose blocks never shrink; an evicting cache that reclaims is admitted with its
+    # whole steady size, so it never outgrows its admission.)
+    requests = [(prompt(12 + i, seed=10 + i), 40) for i in range(4)]
+    expected = [solo(model, spec_name, ids, n) for ids, n in requests]
+    capacity = 20 * BLOCK_BYTES
+    serving = engine(model, spec_name, capacity)
+    handles = [serving.submit(ids, n) for ids, n in requests]
+    serving.run()
+    assert serving.preemptions > 0
+    assert sum(h.stats.preemptions for h in handles) == serving.preemptions
+    assert [h.output_ids for h in handles] == expected
+    assert serving.arena.bytes_used == 0
+
+
+@settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    spec_name=st.sampled_from(sorted(SPECS)),
+    lengths=st.lists(st.tuples(st.integers(1, 40), st.integers(16, 60)), min_size=2, max_size=5),
+    arrivals=st.lists(st.integers(0, 4), min_size=5, max_size=5),
+    # The arena as a fraction of what all requests would hold at once at their longest: below
+    # 1 they cannot all run together (preemption), and the smallest refuse some requests.
+    tightness=st.sampled_from([0.2, 0.35, 0.5, 0.7, 1.0]),
+    max_batch_tokens=st.sampled_from([16, 32, 64]),
+    seed=st.integers(0, 1000),
+)
+def test_random_traces_finish_with_solo_tokens_and_an_empty_arena(
+    model, spec_name, lengths, arrivals, tightness, max_batch_tokens, seed
+):
+    longest = sum(-(-(p + n) // 16) * TINY["num_hidden_layers"] for p, n in lengths)  # blocks
+    capacity = max(4, round(tightness * longest)) * BLOCK_BYTES
+    serving = engine(model, spec_name, capacity, max_batch_tokens=max_batch_tokens)
+    requests = [(prompt(p, seed + i), n) for i, (p, n) in enumerate(lengths)]
+    handles, pending = [], list(zip(arrivals, requests, strict=False))
+    step = 0
+    while pending or serving.has_work():
+        for _, (ids, n) in [item for item in pending if item[0] <= step]:
+            try:
+                handles.append((serving.submit(ids, n), ids, n))
+            except InvalidArgumentError:
+                # Too large for this arena even alone: refused up front, by the documented rule.
+                need = max(serving.admission_bytes(len(ids)), serving.lifetime_bytes(len(ids), n))
+                assert need > serving.arena.capacity_bytes
+        pending = [item for item in pending if item[0] > step]
+        serving.step()
+        step += 1
+        assert step < 2000, "the engine made no progress"
+    for handle, ids, n in handles:
+        assert handle.output_ids == solo(model, spec_name, ids, n)
+    assert serving.arena.bytes_used == 0
+    serving.arena.check_invariants()
+
+
+def test_stream_yields_every_token_in_order(model):
+    serving = engine(model, "h2o", 64 * BLOCK_BYTES)
+    handles = [serving.submit(prompt(15 + 5 * i, i), 5) for i in range(3)]
+    seen = {h.id: [] for h in handles}
+    for request, tokens in serving.stream():
+        seen[request.id] += tokens
+    assert [seen[h.id] for h in handles] == [h.output_ids for h in handles]
+
+
+def test_stop_ids_end_a_request_with_the_stop_token(model):
+    ids = prompt(20, 3)
+    tokens = solo(model, "paged", ids, 10)
+    serving = engine(model, "paged", 64 * BLOCK_BYTES)
+    handle = serving.submit(ids, 10, eos_token_id=tokens[3])
+    serving.run()
+    assert handle.output_ids == tokens[: tokens.index(tokens[3]) + 1]
+    assert handle.finish_reason == "stop"
+
+
+def test_seeded_sampling_does_not_depend_on_batching_or_preemption(model):
+    sampling = Sampling(temperature=0.9, top_k=50, top_p=0.95, seed=7)
+    ids = prompt(12, 4)
+    alone = engine(model, "paged", 64 * BLOCK_BYTES)
+    reference = alone.submit(ids, 30, sampling=sampling)
+    alone.run()
+    crowded = engine(model, "paged", 16 * BLOCK_BYTES)
+    others = [crowded.submit(prompt(12 + i, 20 + i), 30) for i in range(2)]
+    handle = crowded.submit(ids, 30, sampling=sampling)
+    crowded.run()
+    assert crowded.preemptions > 0
+    assert handle.output_ids == reference.output_ids
+    assert all(o.done for o in others)
+    other_seed = engine(model, "paged", 64 * BLOCK_BYTES)
+    differs = other_seed.submit(ids, 30, sampling=Sampling(temperature=0.9, seed=8))
+    other_seed.run()
+    assert differs.output_ids != reference.output_ids
+
+
+def test_stats_time_and_count_each_request(model):
+    serving = engine(model, "paged", 64 * BLOCK_BYTES)
+    handle = serving.submit(prompt(40, 5), 6)
+    serving.run()
+    stats = handle.stats
+    assert stats.tokens == 6 and stats.preemptions == 0
+    assert 0 < stats.ttft_s and 0 < stats.tpot_s
+    # 40 prompt tokens + 5 decoded ones in the cache: 3 blocks per layer, 2 layers.
+    assert stats.peak_pages == 6 and stats.peak_bytes == 6 * BLOCK_BYTES
+
+
+# ----------------------------------------------------------------- bad input
+
+
+def test_a_prompt_that_could_never_fit_is_refused_and_nothing_changes(model):
+    serving = engine(model, "paged", 8 * BLOCK_BYTES)
+    kept = serving.submit(prompt(10, 1), 4)
+    with pytest.raises(InvalidArgumentError, match="could never run"):
+        serving.submit(prompt(100, 2), 4)
+    assert serving.waiting == (kept,) and serving.running == ()
+    serving.run()
+    assert kept.output_ids == solo(model, "paged", prompt(10, 1), 4)
+
+
+def test_cancel_returns_the_pages(model):
+    serving = engine(model, "paged", 64 * BLOCK_BYTES)
+    running = serving.submit(prompt(30, 1), 20)
+    waiting = serving.submit(prompt(30, 2), 20)
+    serving.step()
+    assert serving.arena.bytes_used > 0
+    assert serving.cancel(running) and running.finish_reason == "cancelled"
+    assert serving.cancel(waiting) or waiting.done
+    assert serving.arena.bytes_used == 0 and not serving.has_work()
+    assert not serving.cancel(running)  # already finished
+
+
+def test_bad_arguments_are_refused(model):
+    with pytest.raises(InvalidArgumentError, match="dtype"):
+        Engine(model, KVArena(64 * BLOCK_BYTES, dtype=torch.float16))
+    with pytest.raises(InvalidArgumentError, match="fixed capacity"):
+        Engine(model, KVArena.private())
+    with pytest.raises(InvalidArgumentError, match="prefill_chunk"):
+        Engine(model, KVArena(64 * BLOCK_BYTES), max_batch_tokens=8, prefill_chunk=16)
+    with pytest.raises(InvalidArgumentError, match="budget"):
+        Engine(model, KVArena(64 * BLOCK_BYTES), cache=CacheSpec(policy=H2O(), budget=0))
+    with pytest.raises(InvalidArgumentError, match="exactly one"):
+        Engine(model, KVArena(64 * BLOCK_BYTES), cache=CacheSpec(policy=H2O(), budget=8, ratio=0.5))
+    with pytest.raises(InvalidArgumentError, match="give a policy"):
+        CacheSpec(ratio=0.5)
+    with pytest.raises(InvalidArgumentError, match="temperature"):
+        Sampling(temperature=-1.0)
+    serving = engine(model, "paged", 64 * BLOCK_BYTES)
+    for bad in ([], [1.5], torch.zeros(2, 3, dtype=torch.long), "hello"):
+        with pytest.raises(InvalidArgumentError, match="input_ids"):
+            serving.submit(bad, 4)
+    with pytest.raises(InvalidArgumentError, match="max_new_tokens"):
+        serving.submit([1, 2], 0)
+    assert not serving.has_work()
+
+
+def test_hybrid_models_are_refused_with_a_reason():
+    name = TINY_HYBRIDS[0]
+    config = tiny_hybrid_config(name)
+    from transformers import AutoModelForCausalLM
+
+    hybrid = AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(KVStackError, match="hybrid"):
+        Engine(hybrid, KVArena(1 << 20))
