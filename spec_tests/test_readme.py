@@ -11,7 +11,7 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 def python_blocks() -> list[str]:
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    assert len(blocks) == 2, "README.md should have the HF example and the core example"
+    assert len(blocks) == 3, "README.md should have the HF, serving and core examples"
     return blocks
 
 
@@ -29,9 +29,19 @@ def test_readme_hf_example_runs():
     assert arena.bytes_used == 0 and not arena.pages  # every request released its pages
 
 
-def test_readme_example_runs_and_its_comments_hold():
+def test_readme_serving_example_runs_and_its_comments_hold(capsys):
     namespace: dict = {}
     exec(compile(python_blocks()[1], str(README), "exec"), namespace)
+    handles, arena = namespace["handles"], namespace["arena"]
+    assert all(h.done and len(h.output_ids) == 12 for h in handles)
+    assert arena.capacity_bytes == 16 * 2**20 and arena.bytes_used == 0  # the comments' claims
+    assert arena.stats()["peak_bytes_used"] > 0
+    assert capsys.readouterr().out  # the streamed tokens
+
+
+def test_readme_example_runs_and_its_comments_hold():
+    namespace: dict = {}
+    exec(compile(python_blocks()[2], str(README), "exec"), namespace)
     table, pool, out = namespace["table"], namespace["pool"], namespace["out"]
     assert len(table.blocks) == 4 and table.num_live == 50
     assert pool.num_free_blocks == 64 - 4
@@ -59,6 +69,6 @@ def test_every_listed_capability_names_code_and_tests_that_exist():
                 r"^(def test_|class \w+\(RuleBasedStateMachine\))", (root / path).read_text(), re.M
             ), path
     planned = section and text.split("Planned, not yet here", 1)[1].split("\n\n", 1)[0]
-    for name in ("Engine", "Tangram", "PersistentKV", "InferScale", "CUDA kernels"):
+    for name in ("Tangram", "PersistentKV", "InferScale", "CUDA kernels"):
         assert name in planned, f"{name} should be listed as planned"
         assert name not in section, f"{name} is planned but the table of what exists lists it"
