@@ -55,6 +55,7 @@ bench: install
 	OMP_NUM_THREADS=1 $(BIN)/kvstack bench vtoken --out bench_results/vtoken
 	OMP_NUM_THREADS=1 $(BIN)/kvstack bench quality --out bench_results/quality
 	OMP_NUM_THREADS=1 $(BIN)/kvstack bench arena --out bench_results/arena
+	OMP_NUM_THREADS=1 $(BIN)/kvstack bench serve --out bench_results/serve
 	$(BIN)/kvstack figures
 
 figures: install

@@ -1,8 +1,9 @@
 """The ``kvstack`` command.
 
-    kvstack bench SUITE --out DIR [--quick]  run a benchmark (core, vtoken, quality, gpu): its
-                                             report under DIR, its results (full runs) in
-                                             bench/results/SUITE.json, to be committed
+    kvstack bench SUITE --out DIR [--quick]  run a benchmark (core, vtoken, quality, arena,
+                                             serve, gpu): its report under DIR, its results
+                                             (full runs) in bench/results/SUITE.json, to be
+                                             committed
     kvstack figures [--check]                render the README's figure tables from those files;
                                              --check: fail if one differs or is stale
     kvstack ops                              the op registry: which backends run here, or why not
@@ -37,6 +38,10 @@ BENCH_SUITES = {
     "arena": (
         "real bytes of evicting caches and chunked prefill (SmolLM2); hybrid page layouts",
         "a short prompt",
+    ),
+    "serve": (
+        "many requests on one fixed arena through the Engine: concurrency, throughput (SmolLM2)",
+        "four short requests",
     ),
     "gpu": ("generate speed on a CUDA device (SmolLM2 architecture)", "eight new tokens"),
 }

@@ -1,0 +1,341 @@
+"""The serving benchmark: many requests on one fixed arena through ``kvstack.serve.Engine``.
+
+Workload (SmolLM2-135M-Instruct, CPU, float32, one torch thread): ``REQUESTS`` requests whose
+prompt and output lengths come from the shipped ShareGPT-like distribution
+(``kvstack.workloads.draw_trace``, scaled to ``MAX_CONTEXT`` tokens, outputs capped at
+``MAX_NEW``), all submitted at once; prompt tokens are consecutive slices of a real benchmark
+prompt. Greedy decoding, no stop ids (every request makes its whole output).
+
+* ``serve.max_concurrency_ratio.{policy}.0.5.{vs_naive,vs_full}``: the most requests running at
+  once on a fixed arena of ``ARENA_FRACTION`` of the trace's full KV, with ``TokenTableCache``
+  (ratio 0.5, reclaim) ÷ the same with Naive-Evict (``reclaim=False``: the same evictions, no
+  memory returned), and ÷ the lossless ``PagedCache`` (target ≥ 1.8 against Naive-Evict;
+  vToken reports up to 2×). Same engine, trace and arena on both sides; only the cache differs.
+* ``serve.throughput_ratio.{policy}.0.5.{vs_naive,vs_full}``: output tokens per second of the
+  same runs, the same pairs.
+* ``serve.batched_over_sequential``: output tokens/s of the lossless engine on an arena that
+  holds every request at once ÷ the same requests one after another through ``generate`` with
+  ``DynamicCache`` and SDPA attention (target ≥ 3). What differs: batching, and the attention
+  (the engine calls kvstack's paged attention once per request and layer).
+* ``serve.tokens_equal_sequential``: the fraction of those requests whose engine tokens equal
+  their sequential ``generate`` tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvstack.bench.suite import CACHE_CODE, Figure, Measured, figure_table, format_value, run_suite
+
+NAME = "serve"
+DEPENDS_ON = (
+    *CACHE_CODE,
+    "kvstack/serve",
+    "kvstack/arena.py",
+    "kvstack/models.py",
+    "kvstack/workloads.py",
+    "kvstack/data",
+    "bench/serve.py",
+    "bench/prompts.py",
+    "bench/data",
+)
+MODEL_NAME = "SmolLM2-135M-Instruct (kvstack.models.load_smollm2: dequantised Q4_1, fp32)"
+REQUESTS, MAX_CONTEXT, MAX_NEW = 16, 512, 64
+QUICK_REQUESTS, QUICK_MAX_CONTEXT, QUICK_MAX_NEW = 4, 96, 4
+ARENA_FRACTION = 0.25  # of the KV the whole trace would hold at once, lossless
+RATIO = 0.5
+POLICIES = ("h2o", "snapkv")
+MAX_BATCH_TOKENS, PREFILL_CHUNK = 512, 128
+TRACE_SEED = 0
+
+
+@dataclass
+class TraceRun:
+    """What one engine run over a trace measured."""
+
+    peak_running: int
+    mean_running: float  # requests holding a cache, averaged over steps (the effective batch)
+    output_tokens: int
+    wall_seconds: float
+    steps: int
+    preemptions: int
+    outputs: list[list[int]]
+
+
+def run_trace(
+    model: Any,
+    capacity: int,
+    spec: Any,
+    requests: list[tuple[list[int], int]],
+    *,
+    max_batch_tokens: int = MAX_BATCH_TOKENS,
+    prefill_chunk: int = PREFILL_CHUNK,
+) -> TraceRun:
+    """Submit every (prompt ids, new tokens) request at once to an engine on a fixed arena of
+    ``capacity`` bytes and step until all are done; the arena must be empty afterwards."""
+    from kvstack.arena import KVArena
+    from kvstack.serve import Engine
+
+    arena = KVArena(capacity, dtype=next(model.parameters()).dtype)
+    engine = Engine(
+        model, arena, cache=spec, max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk
+    )
+    handles = [engine.submit(ids, new) for ids, new in requests]
+    peak = steps = running = 0
+    start = time.perf_counter()
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        peak = max(peak, len(engine.running))
+        running += len(engine.running)
+    wall = time.perf_counter() - start
+    if arena.bytes_used:
+        raise AssertionError(f"{arena.bytes_used} arena bytes still in use after the trace")
+    return TraceRun(
+        peak_running=peak,
+        mean_running=running / max(1, steps),
+        output_tokens=sum(len(h.output_ids) for h in handles),
+        wall_seconds=wall,
+        steps=steps,
+        preemptions=engine.preemptions,
+        outputs=[h.output_ids for h in handles],
+    )
+
+
+def full_kv_bytes(model: Any, requests: list[tuple[list[int], int]]) -> int:
+    """Bytes of K and V for every token of every request (prompt + outputs), all layers."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = (
+        config.num_hidden_layers
+        * config.num_key_value_heads
+        * head_dim
+        * 2
+        * next(model.parameters()).element_size()
+    )
+    return sum((len(ids) + new) * per_token for ids, new in requests)
+
+
+def largest_request_bytes(model: Any, spec: Any, requests: list[tuple[list[int], int]]) -> int:
+    """Arena bytes the most demanding request needs alone with ``spec`` (what ``submit``
+    checks): an arena smaller than this would refuse it."""
+    from kvstack.arena import KVArena
+    from kvstack.serve import Engine
+
+    probe = Engine(model, KVArena("1MiB", dtype=next(model.parameters()).dtype), cache=spec)
+    return max(
+        max(probe.admission_bytes(len(ids)), probe.lifetime_bytes(len(ids), new))
+        for ids, new in requests
+    )
+
+
+def build_requests(tokenizer: Any, quick: bool) -> list[tuple[list[int], int]]:
+    """The trace's requests: prompt ids (slices of one long benchmark prompt) and new tokens."""
+    from kvstack.bench.prompts import build_prompts
+    from kvstack.workloads import draw_trace
+
+    count = QUICK_REQUESTS if quick else REQUESTS
+    context = QUICK_MAX_CONTEXT if quick else MAX_CONTEXT
+    cap = QUICK_MAX_NEW if quick else MAX_NEW
+    source = max(build_prompts(tokenizer, quick=quick), key=lambda p: p.num_tokens)
+    ids = source.input_ids[0].tolist()
+    requests = []
+    for request in draw_trace(count, seed=TRACE_SEED, max_context=context):
+        length = max(1, min(request.prompt_tokens, len(ids)))
+        offset = (request.request_id * 37) % max(1, len(ids) - length + 1)
+        requests.append((ids[offset : offset + length], max(1, min(request.output_tokens, cap))))
+    return requests
+
+
+def _sequential(model: Any, requests: list[tuple[list[int], int]]) -> tuple[float, list]:
+    """Wall seconds and outputs of the requests one after another through ``generate``."""
+    from transformers import DynamicCache
+
+    model.set_attn_implementation("sdpa")
+    with torch.inference_mode():  # untimed warm-up of the generate path
+        model.generate(torch.tensor([requests[0][0]]), do_sample=False, max_new_tokens=2)
+    outputs, wall = [], 0.0
+    for ids, new in requests:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor([ids]),
+                past_key_values=DynamicCache(config=model.config),
+                do_sample=False,
+                max_new_tokens=new,
+                min_new_tokens=new,
+            )
+        wall += time.perf_counter() - start
+        outputs.append(out[0, len(ids) :].tolist())
+    return wall, outputs
+
+
+def measure(quick: bool, log: Callable[[str], None]) -> Measured:
+    import kvstack.serve  # noqa: F401  (registers the engine's attention)
+    from kvstack.models import load_smollm2
+    from kvstack.policies import BY_NAME
+    from kvstack.serve import CacheSpec
+
+    model, tokenizer = load_smollm2(progress=False)
+    model.generation_config.eos_token_id = None  # every request makes its whole output
+    requests = build_requests(tokenizer, quick)
+    total_kv = full_kv_bytes(model, requests)
+    specs = {"full": CacheSpec()}
+    for policy in POLICIES:
+        specs[policy] = CacheSpec(policy=BY_NAME[policy](), ratio=RATIO)
+        specs[f"{policy}_naive"] = CacheSpec(policy=BY_NAME[policy](), ratio=RATIO, reclaim=False)
+    # A fraction of the trace's full KV, but never too small for its largest request alone.
+    largest = max(largest_request_bytes(model, spec, requests) for spec in specs.values())
+    capacity = max(int(ARENA_FRACTION * total_kv), largest)
+    figures: dict[str, Figure] = {}
+    runs: dict[str, TraceRun] = {}
+
+    # Untimed: the first calls of each cache kind compile kvstack's attention (torch.compile).
+    warm = [(ids, min(new, 4)) for ids, new in requests[:4]]
+    for label, spec in specs.items():
+        log(f"warm-up: {label}")
+        run_trace(model, 2 * full_kv_bytes(model, warm) + largest, spec, warm)
+
+    def run(label: str, spec: Any, arena_bytes: int) -> TraceRun:
+        log(f"{label}: {len(requests)} requests on a {arena_bytes / 2**20:.1f} MiB arena")
+        runs[label] = run_trace(model, arena_bytes, spec, requests)
+        r = runs[label]
+        log(f"  peak running {r.peak_running}, {r.output_tokens / r.wall_seconds:.1f} tok/s")
+        return r
+
+    full = run("full", specs["full"], capacity)
+    for policy in POLICIES:
+        reclaim = run(policy, specs[policy], capacity)
+        naive = run(f"{policy}_naive", specs[f"{policy}_naive"], capacity)
+        for side, other in (("vs_naive", naive), ("vs_full", full)):
+            key = f"{policy}.{RATIO:g}.{side}"
+            what = "Naive-Evict (reclaim=False)" if side == "vs_naive" else "PagedCache (lossless)"
+            figures[f"serve.max_concurrency_ratio.{key}"] = Figure(
+                reclaim.peak_running / other.peak_running,
+                "ratio",
+                f"peak running requests, TokenTableCache({policy}, ratio={RATIO:g}) ÷ {what}, "
+                "same engine, trace and fixed arena",
+                (">=", 1.8) if side == "vs_naive" else None,
+            )
+            figures[f"serve.throughput_ratio.{key}"] = Figure(
+                (reclaim.output_tokens / reclaim.wall_seconds)
+                / (other.output_tokens / other.wall_seconds),
+                "ratio",
+                f"output tokens/s, TokenTableCache({policy}, ratio={RATIO:g}) ÷ {what}, same "
+                "engine, trace and fixed arena",
+            )
+
+    log("sequential generate (DynamicCache, sdpa)")
+    sequential_wall, sequential_outputs = _sequential(model, requests)
+    batched = run("full_unbounded", specs["full"], 2 * total_kv + largest)
+    output_tokens = sum(new for _, new in requests)
+    figures["serve.batched_over_sequential"] = Figure(
+        (batched.output_tokens / batched.wall_seconds) / (output_tokens / sequential_wall),
+        "ratio",
+        f"output tokens/s, the lossless engine with all {len(requests)} requests at once ÷ the "
+        "same requests one after another through generate (DynamicCache, sdpa)",
+        (">=", 3.0),
+    )
+    equal = sum(a == b for a, b in zip(batched.outputs, sequential_outputs, strict=True))
+    figures["serve.tokens_equal_sequential"] = Figure(
+        equal / len(requests),
+        "fraction",
+        "of the requests whose engine tokens (lossless, batched) equal sequential generate's",
+        (">=", 1.0),
+    )
+    workload = {
+        "model": MODEL_NAME,
+        "dtype": "float32",
+        "device": "cpu",
+        "requests": len(requests),
+        "prompt_tokens": [len(ids) for ids, _ in requests],
+        "new_tokens": [new for _, new in requests],
+        "trace": f"kvstack.workloads.draw_trace(seed={TRACE_SEED}, max_context="
+        f"{QUICK_MAX_CONTEXT if quick else MAX_CONTEXT}), outputs capped at "
+        f"{QUICK_MAX_NEW if quick else MAX_NEW}, all submitted at step 0",
+        "arena_bytes": capacity,
+        "largest_request_bytes": largest,
+        "arena_fraction_of_full_kv": ARENA_FRACTION,
+        "full_kv_bytes": total_kv,
+        "ratio": RATIO,
+        "max_batch_tokens": MAX_BATCH_TOKENS,
+        "prefill_chunk": PREFILL_CHUNK,
+        "block_size": 16,
+        "sequential_seconds": sequential_wall,
+        "runs": {
+            label: {
+                "peak_running": r.peak_running,
+                "mean_running": r.mean_running,
+                "output_tokens": r.output_tokens,
+                "wall_seconds": r.wall_seconds,
+                "steps": r.steps,
+                "preemptions": r.preemptions,
+            }
+            for label, r in runs.items()
+        },
+    }
+    return Measured(
+        figures=figures,
+        workload=workload,
+        title="kvstack serving benchmark: many requests on one arena",
+        sections=[_runs_table(workload)],
+    )
+
+
+def _runs_table(workload: dict) -> str:
+    rows = [
+        "| run | peak running | mean running | output tokens/s | steps | preemptions |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for label, r in workload["runs"].items():
+        rate = r["output_tokens"] / r["wall_seconds"]
+        rows.append(
+            f"| `{label}` | {r['peak_running']} | {format_value(r['mean_running'], 'ratio')} | "
+            f"{format_value(rate, 'ratio')} | {r['steps']} "
+            f"| {r['preemptions']} |"
+        )
+    return "\n".join(rows)
+
+
+def run_serve(
+    out_dir: str | Path, quick: bool = False, *, command: str | None = None, verbose: bool = False
+) -> dict[str, float]:
+    """Run the serving benchmark into ``out_dir`` (``bench/suite.py`` says what is written)."""
+    return run_suite(
+        NAME, measure, DEPENDS_ON, out_dir, quick=quick, command=command, verbose=verbose
+    )
+
+
+def readme_tables(results: dict) -> dict[str, str]:
+    """The README's serving table, from a results file."""
+    w = results["workload"]
+    workload = (
+        f"Workload: {w['model']}, {w['dtype']} on {w['device']}; {w['requests']} requests from "
+        f"{w['trace']}; a fixed arena of {format_value(w['arena_bytes'] / 2**20, 'MiB')} MiB "
+        f"({w['arena_fraction_of_full_kv']:g} of the trace's full KV); ratio {w['ratio']:g}, "
+        f"max_batch_tokens {w['max_batch_tokens']}, prefill_chunk {w['prefill_chunk']}."
+    )
+    return {
+        "serve": figure_table(results, list(results["figures"]))
+        + "\n\n"
+        + _runs_table(w)
+        + "\n\n"
+        + workload
+    }
+
+
+__all__ = [
+    "DEPENDS_ON",
+    "NAME",
+    "build_requests",
+    "measure",
+    "readme_tables",
+    "run_serve",
+    "run_trace",
+]
