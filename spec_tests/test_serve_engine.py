@@ -17,9 +17,9 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import kvstack.hf
 from kvstack.arena import KVArena
-from kvstack.errors import InvalidArgumentError, KVStackError
+from kvstack.errors import InvalidArgumentError
 from kvstack.hf import TokenTableCache
-from kvstack.models import TINY_HYBRIDS, tiny_hybrid_config
+from kvstack.models import tiny_hybrid_config
 from kvstack.policies import H2O, SnapKV
 from kvstack.serve import CacheSpec, Engine, Sampling
 
@@ -64,8 +64,9 @@ def model():
     return model
 
 
-def prompt(length: int, seed: int) -> list[int]:
-    return torch.randint(1, 256, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+def prompt(length: int, seed: int, vocab: int = 256) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab, (length,), generator=gen).tolist()
 
 
 _SOLO: dict = {}
@@ -290,11 +291,62 @@ def test_bad_arguments_are_refused(model):
     assert not serving.has_work()
 
 
-def test_hybrid_models_are_refused_with_a_reason():
-    name = TINY_HYBRIDS[0]
-    config = tiny_hybrid_config(name)
+@pytest.mark.parametrize("name", ["jamba", "qwen3_next", "lfm2"])
+@pytest.mark.parametrize("spec_name", ["paged", "h2o"])
+def test_hybrid_models_serve_each_request_its_solo_tokens(name, spec_name):
     from transformers import AutoModelForCausalLM
 
-    hybrid = AutoModelForCausalLM.from_config(config).eval()
-    with pytest.raises(KVStackError, match="hybrid"):
-        Engine(hybrid, KVArena(1 << 20))
+    torch.manual_seed(0)
+    hybrid = AutoModelForCausalLM.from_config(tiny_hybrid_config(name)).eval()
+    hybrid.generation_config.eos_token_id = None
+    requests = [(prompt(8 + 9 * i, seed=30 + i, vocab=120), 6 + 2 * i) for i in range(3)]
+    expected = []
+    for ids, n in requests:
+        if SPECS[spec_name].evicting:
+            hybrid.set_attn_implementation("kvstack")
+            spec = SPECS[spec_name]
+            cache = TokenTableCache(
+                hybrid.config, policy=spec.policy, ratio=spec.ratio, prefill_chunk=16
+            )
+        else:
+            hybrid.set_attn_implementation("eager")
+            cache = DynamicCache(config=hybrid.config)
+        with torch.inference_mode():
+            out = hybrid.generate(
+                torch.tensor([ids]), past_key_values=cache, do_sample=False, max_new_tokens=n
+            )
+        expected.append(out[0, len(ids) :].tolist())
+    serving = Engine(
+        hybrid, KVArena("4MiB"), cache=SPECS[spec_name], max_batch_tokens=48, prefill_chunk=16
+    )
+    assert serving.hybrid
+    handles = [serving.submit(ids, n) for ids, n in requests]
+    serving.run()
+    assert [h.output_ids for h in handles] == expected
+    assert serving.arena.bytes_used == 0
+
+
+def test_a_hybrid_on_a_tight_arena_is_preempted_and_keeps_its_tokens():
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    hybrid = AutoModelForCausalLM.from_config(tiny_hybrid_config("jamba")).eval()
+    hybrid.generation_config.eos_token_id = None
+    requests = [(prompt(8 + 3 * i, seed=40 + i, vocab=120), 40) for i in range(4)]
+    hybrid.set_attn_implementation("eager")
+    expected = []
+    for ids, n in requests:
+        with torch.inference_mode():
+            out = hybrid.generate(
+                torch.tensor([ids]),
+                past_key_values=DynamicCache(config=hybrid.config),
+                do_sample=False,
+                max_new_tokens=n,
+            )
+        expected.append(out[0, len(ids) :].tolist())
+    serving = Engine(hybrid, KVArena("96KiB"), max_batch_tokens=48, prefill_chunk=16)
+    handles = [serving.submit(ids, n) for ids, n in requests]
+    serving.run()
+    assert serving.preemptions > 0 and serving.state_bytes > 0
+    assert [h.output_ids for h in handles] == expected
+    assert serving.arena.bytes_used == 0

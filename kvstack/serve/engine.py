@@ -31,8 +31,10 @@ A step, in order:
    one (``request.Sampling``); a request ends at a stop id or at ``max_new_tokens`` and returns
    its pages.
 
-Hybrid models are refused for now: packing several requests into one row would run their
-recurrent layers across request boundaries.
+Hybrid models (recurrent state layers beside attention) would run those layers across request
+boundaries in a packed row, so their steps run one forward pass per request instead (each
+request's states in its cache's arena state pages), prefilling the whole prompt at once; a
+request whose pages run out mid-forward is preempted and recomputed.
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ import torch
 from transformers.cache_utils import Cache
 
 from kvstack.arena import KVArena
-from kvstack.errors import ArenaExhausted, InvalidArgumentError, KVStackError
-from kvstack.hf import PagedLayer, kvstack_attention
+from kvstack.errors import ArenaExhausted, InvalidArgumentError
+from kvstack.hf import ATTENTION_NAME, PagedLayer, kvstack_attention
 from kvstack.reference.checks import check_positive_int
 from kvstack.serve.cache_spec import CacheGeometry, CacheSpec, cache_config
 from kvstack.serve.request import (
@@ -179,12 +181,13 @@ class Engine:
         # A probe cache: checks the spec against this model (budget, ratio, arena dtype and
         # size) before anything runs, and gives the page geometry the scheduler counts in.
         probe = spec.build(self._config, arena, prefill_chunk)
-        if any(not isinstance(layer, PagedLayer) for layer in probe.layers):
-            raise KVStackError(
-                f"{model.config.model_type} has recurrent (state) layers; the engine does not "
-                "serve hybrid models yet (a packed step would run them across requests)"
-            )
+        # A hybrid model's recurrent layers would run across request boundaries in a packed
+        # row: each of its requests gets its own forward pass in a step instead.
+        self.hybrid = any(not isinstance(layer, PagedLayer) for layer in probe.layers)
         self._probe = probe
+        # Arena bytes of one request's recurrent-state pages (hybrids): exact sizes, the same for
+        # every request of a model, learned from the first request that holds them.
+        self.state_bytes = 0
         self.geometry = CacheGeometry.of(probe, arena.itemsize)
         self._cache_kwarg = (
             "cache"
@@ -192,7 +195,8 @@ class Engine:
             else "past_key_values"
         )
         register()
-        model.set_attn_implementation(SERVE_ATTENTION)
+        self.attention = ATTENTION_NAME if self.hybrid else SERVE_ATTENTION
+        model.set_attn_implementation(self.attention)
         self._waiting: deque[Request] = deque()  # FIFO by id (preempted requests go first)
         self._running: list[Request] = []  # in admission order
         self._next_id = 0
@@ -292,15 +296,16 @@ class Engine:
         if self.spec.evicting and self.spec.reclaim:
             tables = self.geometry.tables
             blocks = self._probe.blocks_to_reserve(tables, prompt_tokens)
-            return blocks * self.geometry.block_bytes
-        return self.geometry.bytes_for(prompt_tokens, extra_blocks_per_table=1)
+            return blocks * self.geometry.block_bytes + self.state_bytes
+        kv = self.geometry.bytes_for(prompt_tokens, extra_blocks_per_table=1)
+        return kv + self.state_bytes
 
     def lifetime_bytes(self, prompt_tokens: int, max_new_tokens: int) -> int:
         """The most arena bytes a request can hold alone: every token for caches that keep all
         blocks; an evicting cache's prefill peak."""
         if self.spec.evicting and self.spec.reclaim:
             return self.admission_bytes(prompt_tokens)
-        return self.geometry.bytes_for(prompt_tokens + max_new_tokens)
+        return self.geometry.bytes_for(prompt_tokens + max_new_tokens) + self.state_bytes
 
     def _held_bytes(self, request: Request) -> int:
         return 0 if request.cache is None else int(request.cache.stats()["bytes_used"])
@@ -319,13 +324,14 @@ class Engine:
         request = work.request
         if request.computed == 0 and self.spec.evicting and self.spec.reclaim:
             return self.admission_bytes(len(request.prompt_ids))  # the prefill's peak
+        state = self.state_bytes if request.computed == 0 else 0  # taken at its first step
         blocks = 0
         for layer in request.cache.paged_layers:
             if layer.is_initialized:
                 blocks += layer.batch.blocks_needed(work.tokens)
             else:  # its first step: one table per group, each takes every new token
                 blocks += self.geometry.tables * -(-work.tokens // self.geometry.block_size)
-        return blocks * self.geometry.block_bytes
+        return blocks * self.geometry.block_bytes + state
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[tuple[Request, list[int]]]:
@@ -338,7 +344,7 @@ class Engine:
         if not batch:
             return []
         try:
-            logits = self._forward(batch)
+            logits = self._forward_each(batch) if self.hybrid else self._forward(batch)
         except ArenaExhausted:
             # The bound in _step_bytes should make this impossible; if it happens, every
             # request of the step may hold part of its K/V: recompute them all.
@@ -350,6 +356,8 @@ class Engine:
         produced = []
         for work, row in zip(batch, logits, strict=True):
             request = work.request
+            if request.cache is None:  # preempted during the step (hybrid: its own forward)
+                continue
             request.computed += work.tokens
             request.last_scheduled_step = self._step
             if row is not None:
@@ -375,11 +383,15 @@ class Engine:
     def _offer(self, request: Request) -> Work:
         tokens = request.tokens
         remaining = len(tokens) - request.computed
-        if self.spec.evicting:
-            # The whole prompt in one step (the cache chunks it and fixes budgets from it),
-            # then one token per step: outputs replayed after a preemption, then decoding.
-            count = len(request.prompt_ids) if request.computed == 0 else 1
-            return Work(request, count, "decode" if request.computed else "prefill")
+        if self.spec.evicting or self.hybrid:
+            # The whole prompt in one step (an evicting cache chunks it and fixes budgets from
+            # it; a recurrent layer continues its state only one token at a time), then one
+            # token per step: outputs replayed after a preemption, then decoding. A lossless
+            # hybrid recomputes its prompt and outputs in one prefill.
+            if request.computed == 0:
+                count = len(request.prompt_ids) if self.spec.evicting else remaining
+                return Work(request, count, "prefill")
+            return Work(request, 1, "decode")
         count = min(self.prefill_chunk, remaining)
         kind = "decode" if remaining == 1 and request.output_ids else "prefill"
         return Work(request, count, kind, flexible=True)
@@ -453,6 +465,37 @@ class Engine:
             taken += index is not None
         return rows
 
+    def _forward_each(self, batch: list[Work]) -> list[torch.Tensor | None]:
+        """Hybrid models: one forward pass per request, through its own cache; a request whose
+        pages run out is preempted (its row None) unless it is the only one running."""
+        if self.model.config._attn_implementation != ATTENTION_NAME:
+            self.model.set_attn_implementation(ATTENTION_NAME)
+        device = self.arena.device
+        rows: list[torch.Tensor | None] = []
+        for work in batch:
+            request = work.request
+            first = request.computed
+            inputs = {
+                "input_ids": torch.tensor(
+                    [request.tokens[first : first + work.tokens]], device=device
+                ),
+                "position_ids": torch.arange(first, first + work.tokens, device=device)[None],
+                self._cache_kwarg: request.cache,
+                "use_cache": True,
+                "logits_to_keep": 1,
+            }
+            try:
+                with torch.inference_mode():
+                    logits = self.model(**inputs).logits[0, -1]  # [vocab]
+            except ArenaExhausted:
+                if len(self._running) == 1:
+                    raise
+                self._preempt(request)
+                rows.append(None)
+                continue
+            rows.append(logits if first + work.tokens == len(request.tokens) else None)
+        return rows
+
     def _after_token(self, request: Request, token: int) -> None:
         stats = request.stats
         stats.tokens = len(request.output_ids)
@@ -479,3 +522,4 @@ class Engine:
         stats = request.cache.stats()
         request.stats.peak_pages = max(request.stats.peak_pages, int(stats["blocks_allocated"]))
         request.stats.peak_bytes = max(request.stats.peak_bytes, int(stats["peak_bytes_used"]))
+        self.state_bytes = max(self.state_bytes, int(stats["bytes_used_state"]))
