@@ -65,6 +65,7 @@ from kvstack.serve.request import (
 from kvstack.serve.scheduler import BatchRule, PageAwareRule, Work, fill_batch
 
 SERVE_ATTENTION = "kvstack_serve"
+SEGMENTS_KWARG = "kvstack_segments"  # the step's context, passed through the model call
 DEFAULT_MAX_BATCH_TOKENS = 512
 DEFAULT_PREFILL_CHUNK = 256
 
@@ -76,11 +77,6 @@ class _Segment:
     cache: Any
     start: int
     end: int
-
-
-# The segments of the step being run: set by Engine._forward around the model call and read by
-# serve_attention (the attention interface has no other way to receive them).
-_SEGMENTS: list[_Segment] | None = None
 
 
 def serve_attention(
@@ -95,8 +91,10 @@ def serve_attention(
 ) -> tuple[torch.Tensor, None]:
     """The engine's attention: query [1, H_q, T, D] and key/value [1, H_kv, T, D] of a packed
     step; each request's slice goes to its cache and the kvstack attention. Returns
-    [1, T, H_q, D]. Outside an engine step it is the kvstack attention."""
-    segments = _SEGMENTS
+    [1, T, H_q, D]. The step's segments arrive as the forward's keyword argument
+    ``kvstack_segments`` (transformers hands a model call's extra keyword arguments to every
+    attention call); without them it is the kvstack attention."""
+    segments = kwargs.pop(SEGMENTS_KWARG, None)
     if segments is None:
         return kvstack_attention(module, query, key, value, attention_mask, scaling, **kwargs)
     outs = []
@@ -428,7 +426,6 @@ class Engine:
     def _forward(self, batch: list[Work]) -> list[torch.Tensor | None]:
         """One forward pass over the batch's tokens packed into one row; each request's logits
         at its last token when that token is its newest (it then samples), else None."""
-        global _SEGMENTS
         device = self.arena.device
         ids, positions, segments, sample_at = [], [], [], []
         start = 0
@@ -449,15 +446,12 @@ class Engine:
             self._cache_kwarg: _StepCache(),
             "use_cache": True,
             "logits_to_keep": torch.tensor(keep or [0], device=device),
+            SEGMENTS_KWARG: segments,  # reaches serve_attention in every layer
         }
         if self.model.config._attn_implementation != SERVE_ATTENTION:
             self.model.set_attn_implementation(SERVE_ATTENTION)  # switched away since
-        _SEGMENTS = segments
-        try:
-            with torch.inference_mode():
-                logits = self.model(**inputs).logits[0]  # [len(keep), vocab]
-        finally:
-            _SEGMENTS = None
+        with torch.inference_mode():
+            logits = self.model(**inputs).logits[0]  # [len(keep), vocab]
         rows: list[torch.Tensor | None] = []
         taken = 0
         for index in sample_at:
