@@ -283,7 +283,7 @@ def test_bad_arguments_are_refused(model):
     with pytest.raises(InvalidArgumentError, match="temperature"):
         Sampling(temperature=-1.0)
     serving = engine(model, "paged", 64 * BLOCK_BYTES)
-    for bad in ([], [1.5], torch.zeros(2, 3, dtype=torch.long), "hello"):
+    for bad in ([], [1.5], [-1], [256], torch.zeros(2, 3, dtype=torch.long), "hello"):
         with pytest.raises(InvalidArgumentError, match="input_ids"):
             serving.submit(bad, 4)
     with pytest.raises(InvalidArgumentError, match="max_new_tokens"):

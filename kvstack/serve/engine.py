@@ -221,6 +221,12 @@ class Engine:
         and return its handle. Refused, with nothing queued, when even alone it could never fit
         the arena."""
         prompt = token_ids("input_ids", input_ids)
+        vocab = self.model.config.get_text_config(decoder=True).vocab_size
+        if max(prompt) >= vocab:
+            raise InvalidArgumentError(
+                f"input_ids holds token id {max(prompt)}, but the model's vocabulary has "
+                f"{vocab} ids (0 to {vocab - 1})"
+            )
         max_new_tokens = check_max_new_tokens(max_new_tokens)
         stops = stop_set(eos_token_id, stop_ids)
         sampling = Sampling() if sampling is None else sampling
