@@ -6,11 +6,13 @@ prompt and output lengths come from the shipped ShareGPT-like distribution
 ``MAX_NEW``), all submitted at once; prompt tokens are consecutive slices of a real benchmark
 prompt. Greedy decoding, no stop ids (every request makes its whole output).
 
-* ``serve.max_concurrency_ratio.{policy}.0.5.{vs_naive,vs_full}``: the most requests running at
-  once on a fixed arena of ``ARENA_FRACTION`` of the trace's full KV, with ``TokenTableCache``
-  (ratio 0.5, reclaim) ÷ the same with Naive-Evict (``reclaim=False``: the same evictions, no
-  memory returned), and ÷ the lossless ``PagedCache`` (target ≥ 1.8 against Naive-Evict;
-  vToken reports up to 2×). Same engine, trace and arena on both sides; only the cache differs.
+* ``serve.max_concurrency_ratio.{policy}.0.5.{vs_naive,vs_full}``: the most requests making a
+  token in the same step (each holding its KV) on a fixed arena of ``ARENA_FRACTION`` of the
+  trace's full KV, with ``TokenTableCache`` (ratio 0.5, reclaim) ÷ the same with Naive-Evict
+  (``reclaim=False``: the same evictions, no memory returned), and ÷ the lossless
+  ``PagedCache`` (target ≥ 1.8 against Naive-Evict; vToken reports up to 2×). Same engine,
+  trace and arena on both sides; only the cache differs (and with it how a prompt is fed: an
+  evicting cache takes its whole prompt in one step, a lossless one in ``PREFILL_CHUNK``s).
 * ``serve.throughput_ratio.{policy}.0.5.{vs_naive,vs_full}``: output tokens per second of the
   same runs, the same pairs.
 * ``serve.batched_over_sequential``: output tokens/s of the lossless engine on an arena that
@@ -59,8 +61,11 @@ TRACE_SEED = 0
 class TraceRun:
     """What one engine run over a trace measured."""
 
-    peak_running: int
-    mean_running: float  # requests holding a cache, averaged over steps (the effective batch)
+    # Requests that made a token in the same step (each holds its KV then): the most, and the
+    # mean over steps (the effective batch). Admitted requests still waiting for their prefill
+    # are not counted: they hold no memory yet.
+    peak_generating: int
+    mean_generating: float
     output_tokens: int
     wall_seconds: float
     steps: int
@@ -87,19 +92,19 @@ def run_trace(
         model, arena, cache=spec, max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk
     )
     handles = [engine.submit(ids, new) for ids, new in requests]
-    peak = steps = running = 0
+    peak = steps = generating = 0
     start = time.perf_counter()
     while engine.has_work():
-        engine.step()
+        produced = len(engine.step())
         steps += 1
-        peak = max(peak, len(engine.running))
-        running += len(engine.running)
+        peak = max(peak, produced)
+        generating += produced
     wall = time.perf_counter() - start
     if arena.bytes_used:
         raise AssertionError(f"{arena.bytes_used} arena bytes still in use after the trace")
     return TraceRun(
-        peak_running=peak,
-        mean_running=running / max(1, steps),
+        peak_generating=peak,
+        mean_generating=generating / max(1, steps),
         output_tokens=sum(len(h.output_ids) for h in handles),
         wall_seconds=wall,
         steps=steps,
@@ -206,7 +211,9 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         log(f"{label}: {len(requests)} requests on a {arena_bytes / 2**20:.1f} MiB arena")
         runs[label] = run_trace(model, arena_bytes, spec, requests)
         r = runs[label]
-        log(f"  peak running {r.peak_running}, {r.output_tokens / r.wall_seconds:.1f} tok/s")
+        log(
+            f"  {r.peak_generating} at most generating, {r.output_tokens / r.wall_seconds:.1f} tok/s"
+        )
         return r
 
     full = run("full", specs["full"], capacity)
@@ -217,9 +224,9 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
             key = f"{policy}.{RATIO:g}.{side}"
             what = "Naive-Evict (reclaim=False)" if side == "vs_naive" else "PagedCache (lossless)"
             figures[f"serve.max_concurrency_ratio.{key}"] = Figure(
-                reclaim.peak_running / other.peak_running,
+                reclaim.peak_generating / other.peak_generating,
                 "ratio",
-                f"peak running requests, TokenTableCache({policy}, ratio={RATIO:g}) ÷ {what}, "
+                f"most requests making a token in one step, TokenTableCache({policy}, ratio={RATIO:g}) ÷ {what}, "
                 "same engine, trace and fixed arena",
                 (">=", 1.8) if side == "vs_naive" else None,
             )
@@ -270,8 +277,8 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         "sequential_seconds": sequential_wall,
         "runs": {
             label: {
-                "peak_running": r.peak_running,
-                "mean_running": r.mean_running,
+                "peak_generating": r.peak_generating,
+                "mean_generating": r.mean_generating,
                 "output_tokens": r.output_tokens,
                 "wall_seconds": r.wall_seconds,
                 "steps": r.steps,
@@ -290,13 +297,13 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
 
 def _runs_table(workload: dict) -> str:
     rows = [
-        "| run | peak running | mean running | output tokens/s | steps | preemptions |",
+        "| run | most generating at once | mean generating | output tokens/s | steps | preemptions |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for label, r in workload["runs"].items():
         rate = r["output_tokens"] / r["wall_seconds"]
         rows.append(
-            f"| `{label}` | {r['peak_running']} | {format_value(r['mean_running'], 'ratio')} | "
+            f"| `{label}` | {r['peak_generating']} | {format_value(r['mean_generating'], 'ratio')} | "
             f"{format_value(rate, 'ratio')} | {r['steps']} "
             f"| {r['preemptions']} |"
         )

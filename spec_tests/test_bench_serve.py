@@ -63,7 +63,7 @@ def test_a_tight_arena_runs_fewer_requests_at_once_and_finishes_them_all(model):
     )
     tight_bytes = largest_request_bytes(model, spec, trace)
     tight = run_trace(model, tight_bytes, spec, trace, max_batch_tokens=64, prefill_chunk=32)
-    assert roomy.peak_running == len(trace) and tight.peak_running < roomy.peak_running
+    assert roomy.peak_generating == len(trace) and tight.peak_generating < roomy.peak_generating
     assert roomy.output_tokens == tight.output_tokens == 12 * len(trace)
     assert tight.outputs == roomy.outputs  # lossless: the arena size changes no token
     assert tight.steps > roomy.steps
@@ -85,8 +85,8 @@ def test_a_reclaiming_cache_never_outgrows_its_admission_while_naive_evict_does(
 def test_the_readme_table_keeps_every_figure():
     figure = {"value": 1.0, "unit": "ratio", "description": "", "target": None, "met": None}
     run = {
-        "peak_running": 3,
-        "mean_running": 2.5,
+        "peak_generating": 3,
+        "mean_generating": 2.5,
         "output_tokens": 30,
         "wall_seconds": 2.0,
         "steps": 9,

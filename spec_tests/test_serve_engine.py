@@ -222,11 +222,13 @@ def test_seeded_sampling_does_not_depend_on_batching_or_preemption(model):
     others = [crowded.submit(prompt(12 + i, 20 + i), 30) for i in range(2)]
     handle = crowded.submit(ids, 30, sampling=sampling)
     crowded.run()
-    assert crowded.preemptions > 0
+    assert crowded.preemptions > 0 and handle.stats.preemptions > 0
     assert handle.output_ids == reference.output_ids
     assert all(o.done for o in others)
     other_seed = engine(model, "paged", 64 * BLOCK_BYTES)
-    differs = other_seed.submit(ids, 30, sampling=Sampling(temperature=0.9, seed=8))
+    differs = other_seed.submit(
+        ids, 30, sampling=Sampling(temperature=0.9, top_k=50, top_p=0.95, seed=8)
+    )
     other_seed.run()
     assert differs.output_ids != reference.output_ids
 
@@ -256,15 +258,45 @@ def test_a_prompt_that_could_never_fit_is_refused_and_nothing_changes(model):
 
 
 def test_cancel_returns_the_pages(model):
-    serving = engine(model, "paged", 64 * BLOCK_BYTES)
+    # Room for one request: the second waits (FIFO) until the first is done or cancelled.
+    serving = engine(model, "paged", 8 * BLOCK_BYTES)
     running = serving.submit(prompt(30, 1), 20)
     waiting = serving.submit(prompt(30, 2), 20)
     serving.step()
+    assert serving.running == (running,) and serving.waiting == (waiting,)
     assert serving.arena.bytes_used > 0
+    assert serving.cancel(waiting) and waiting.finish_reason == "cancelled"
     assert serving.cancel(running) and running.finish_reason == "cancelled"
-    assert serving.cancel(waiting) or waiting.done
     assert serving.arena.bytes_used == 0 and not serving.has_work()
     assert not serving.cancel(running)  # already finished
+
+
+def test_an_error_mid_step_leaves_no_half_written_cache(model, monkeypatch):
+    import kvstack.serve.engine as serve_engine
+
+    requests = [(prompt(20 + i, 50 + i), 8) for i in range(3)]
+    serving = engine(model, "paged", 64 * BLOCK_BYTES)
+    handles = [serving.submit(ids, n) for ids, n in requests]
+    serving.step()
+    serving.step()
+    calls = {"n": 0}
+    real_attention = serve_engine.kvstack_attention
+
+    def failing_attention(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:  # layer 1 of the first request: layer 0 stored all three
+            raise RuntimeError("injected")
+        return real_attention(*args, **kwargs)
+
+    monkeypatch.setattr(serve_engine, "kvstack_attention", failing_attention)
+    with pytest.raises(RuntimeError, match="injected"):
+        serving.step()
+    monkeypatch.setattr(serve_engine, "kvstack_attention", real_attention)
+    # Every request of the failed step gave its pages back and waits to recompute.
+    assert serving.running == () and serving.arena.bytes_used == 0
+    assert [r.id for r in serving.waiting] == [h.id for h in handles]
+    serving.run()
+    assert [h.output_ids for h in handles] == [solo(model, "paged", i, n) for i, n in requests]
 
 
 def test_bad_arguments_are_refused(model):

@@ -2,13 +2,9 @@
 
 ``CacheSpec()`` is the lossless ``PagedCache``; ``CacheSpec(policy=H2O(), ratio=0.5)`` an
 evicting ``TokenTableCache`` (``reclaim=False``: vToken's Naive-Evict baseline, whose blocks never
-shrink). Besides building one cache per request on the engine's arena, the spec answers the two
-memory questions the scheduler asks, in arena bytes:
-
-* ``admission_bytes``: what a request must find free before it starts (its prompt for a lossless
-  cache, budget + prefill chunk for an evicting one, plus decode headroom);
-* ``lifetime_bytes``: the most it can ever hold alone (a request whose lifetime bytes exceed the
-  arena can never finish and is refused at ``submit``).
+shrink). The spec builds one cache per request on the engine's arena; ``CacheGeometry`` says
+what its pages cost, from which ``Engine.admission_bytes`` and ``Engine.lifetime_bytes`` answer
+the scheduler's two memory questions.
 """
 
 from __future__ import annotations

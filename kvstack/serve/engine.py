@@ -311,6 +311,13 @@ class Engine:
             return self.admission_bytes(prompt_tokens)
         return self.geometry.bytes_for(prompt_tokens + max_new_tokens) + self.state_bytes
 
+    def _request_admission_bytes(self, request: Request) -> int:
+        """``admission_bytes`` for what this request's cache must rebuild: after a preemption a
+        cache that keeps every block (lossless, Naive-Evict) recomputes its outputs too."""
+        if self.spec.evicting and self.spec.reclaim:
+            return self.admission_bytes(len(request.prompt_ids))
+        return self.admission_bytes(len(request.tokens))
+
     def _held_bytes(self, request: Request) -> int:
         return 0 if request.cache is None else int(request.cache.stats()["bytes_used"])
 
@@ -319,7 +326,7 @@ class Engine:
         admission bytes, and one block per table each for their next decode token."""
         headroom = self.geometry.bytes_for(0, extra_blocks_per_table=1)
         return sum(
-            max(0, self.admission_bytes(len(r.prompt_ids)) - self._held_bytes(r)) + headroom
+            max(0, self._request_admission_bytes(r) - self._held_bytes(r)) + headroom
             for r in self._running
         )
 
@@ -342,21 +349,23 @@ class Engine:
         """Run one step; return (request, new token ids) for every request that got tokens."""
         self._step += 1
         self._admit()
-        offers = [self._offer(request) for request in self._running]
-        batch = fill_batch(self.rule.order(offers, self._step), self.max_batch_tokens)
-        batch = self._fit_pages(batch)
+        batch = self._choose_batch()
         if not batch:
             return []
         try:
             logits = self._forward_each(batch) if self.hybrid else self._forward(batch)
-        except ArenaExhausted:
-            # The bound in _step_bytes should make this impossible; if it happens, every
-            # request of the step may hold part of its K/V: recompute them all.
-            if len(batch) == 1:
-                raise
+        except BaseException as error:
+            # Some layers may hold this step's K/V and others not: no cache of the step can be
+            # continued. Each of its requests recomputes (its tokens are kept), and an error
+            # the engine cannot absorb is raised with the engine consistent.
             for work in batch:
-                self._preempt(work.request)
-            return []
+                if work.request.cache is not None:
+                    self._preempt(work.request)
+            # The bound in _step_bytes makes running out here unexpected; with other requests
+            # left to free pages, recomputing is the remedy. Anything else is the caller's.
+            if isinstance(error, ArenaExhausted) and len(batch) > 1:
+                return []
+            raise
         produced = []
         for work, row in zip(batch, logits, strict=True):
             request = work.request
@@ -376,7 +385,7 @@ class Engine:
         while self._waiting:
             request = self._waiting[0]
             free = self.arena.bytes_free - self._promised_bytes()
-            if self.admission_bytes(len(request.prompt_ids)) > free and self._running:
+            if self._request_admission_bytes(request) > free and self._running:
                 return  # FIFO: nobody overtakes the oldest waiting request
             self._waiting.popleft()
             request.cache = self.spec.build(self._config, self.arena, self.prefill_chunk)
@@ -400,22 +409,27 @@ class Engine:
         kind = "decode" if remaining == 1 and request.output_ids else "prefill"
         return Work(request, count, kind, flexible=True)
 
-    def _fit_pages(self, batch: list[Work]) -> list[Work]:
-        """Preempt the newest running requests until the step's pages fit the free bytes."""
-        while batch:
+    def _choose_batch(self) -> list[Work]:
+        """The step's work: running requests' offers in the rule's order within the token
+        budget, whose pages fit the free bytes. While they do not, the newest running request
+        gives its pages back and the batch is chosen again, so a step with requests running
+        always has work (one request alone fits: ``submit`` checked)."""
+        while True:
+            offers = [self._offer(request) for request in self._running]
+            batch = fill_batch(self.rule.order(offers, self._step), self.max_batch_tokens)
             needed = sum(self._step_bytes(work) for work in batch)
-            if needed <= self.arena.bytes_free or len(self._running) == 1:
+            if needed <= self.arena.bytes_free or len(self._running) <= 1:
                 return batch
-            victim = self._running[-1]
-            self._preempt(victim)
-            batch = [work for work in batch if work.request is not victim]
-        return batch
+            self._preempt(max(self._running, key=lambda request: request.id))
 
     def _preempt(self, request: Request) -> None:
+        """Return ``request``'s pages and queue it to recompute. One that had computed nothing
+        is only sent back to the queue (it loses no work: not counted as a preemption)."""
         self._running.remove(request)
+        if request.computed:
+            request.stats.preemptions += 1
+            self.preemptions += 1
         self._drop_cache(request)
-        request.stats.preemptions += 1
-        self.preemptions += 1
         # Running requests are all older than waiting ones (FIFO admission): it goes first.
         position = next(
             (i for i, waiting in enumerate(self._waiting) if waiting.id > request.id),
@@ -474,6 +488,9 @@ class Engine:
         rows: list[torch.Tensor | None] = []
         for work in batch:
             request = work.request
+            if request.cache is None:  # preempted earlier in this step to free pages
+                rows.append(None)
+                continue
             first = request.computed
             inputs = {
                 "input_ids": torch.tensor(
@@ -490,7 +507,12 @@ class Engine:
             except ArenaExhausted:
                 if len(self._running) == 1:
                     raise
+                # This request's cache may hold part of the step: it recomputes, and the
+                # newest running request gives its pages back too, so the oldest progress.
                 self._preempt(request)
+                newest = max(self._running, key=lambda r: r.id)
+                if newest.id > request.id:
+                    self._preempt(newest)
                 rows.append(None)
                 continue
             rows.append(logits if first + work.tokens == len(request.tokens) else None)

@@ -4,9 +4,11 @@ A ``Request`` is what ``Engine.submit`` returns: the caller reads ``output_ids``
 token ids so far), ``done``, ``finish_reason`` and ``stats``; the engine keeps the rest (the
 request's cache while it runs, how many of its tokens the cache holds).
 
-Sampling is greedy unless a temperature is given. Token i of a seeded request is drawn with a
-generator seeded from (seed, i), so neither batching nor preemption (which recomputes a request
-and skips the draws of tokens it already has) changes what it samples.
+Sampling is greedy unless a temperature is given. Token i of a sampled request is drawn with
+a generator seeded from (seed, i), so neither batching nor preemption (which recomputes a
+request and skips the draws of tokens it already has) changes its random stream; the logits it
+draws from are the same up to the last bits of a batched forward. Requests that share a seed
+share the stream: give each its own seed for independent draws.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ class RequestStats:
     finished_at: float | None = None
     tokens: int = 0  # generated tokens
     preemptions: int = 0
-    peak_pages: int = 0  # the most arena pages (KV blocks) its cache held at once
+    peak_pages: int = 0  # the most arena KV blocks its cache held at the end of a step
     peak_bytes: int = 0  # the most arena bytes its cache held at once
 
     @property
@@ -151,8 +153,11 @@ def token_ids(name: str, value: Any) -> list[int]:
         value = value.tolist()
     if not isinstance(value, (list, tuple)) or not value:
         raise InvalidArgumentError(f"{name} must be a non-empty list of token ids, got {value!r}")
-    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in value):
-        raise InvalidArgumentError(f"{name} must hold non-negative integer token ids")
+    for index, token in enumerate(value):
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise InvalidArgumentError(
+                f"{name} must hold non-negative integer token ids, got {token!r} at index {index}"
+            )
     return list(value)
 
 
