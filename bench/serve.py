@@ -168,9 +168,13 @@ def _sequential(model: Any, requests: list[tuple[list[int], int]]) -> tuple[floa
     outputs, wall = [], 0.0
     for ids, new in requests:
         start = time.perf_counter()
+        prompt = torch.tensor([ids])
         with torch.inference_mode():
             out = model.generate(
-                torch.tensor([ids]),
+                prompt,
+                # Every prompt token is real: without a mask generate would take the chat
+                # template's <|im_end|> (SmolLM2's pad id) for padding and mask it out.
+                attention_mask=torch.ones_like(prompt),
                 past_key_values=DynamicCache(config=model.config),
                 do_sample=False,
                 max_new_tokens=new,
