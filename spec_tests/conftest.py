@@ -9,6 +9,7 @@ Profiles (choose with ``--hypothesis-profile=NAME``; default ``ci`` when CI is s
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -44,3 +45,18 @@ def devices() -> list:
         )
     )
     return found
+
+
+@pytest.fixture
+def reference_attention():
+    """Run the kvstack attention on the reference backend (the specification; no compile per
+    new shape) with transformers' FutureWarnings silenced; the fastest backend afterwards."""
+    import kvstack.hf
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        kvstack.hf.set_backend("reference")
+        try:
+            yield
+        finally:
+            kvstack.hf.set_backend(None)

@@ -3,13 +3,10 @@ arena is sized for the largest request, and the README table keeps every figure.
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import kvstack.hf
 from kvstack.bench.serve import full_kv_bytes, largest_request_bytes, readme_tables, run_trace
 from kvstack.policies import H2O
 from kvstack.serve import CacheSpec
@@ -32,15 +29,8 @@ def model():
     return model
 
 
-@pytest.fixture(autouse=True)
-def _reference_backend():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        kvstack.hf.set_backend("reference")
-        try:
-            yield
-        finally:
-            kvstack.hf.set_backend(None)
+# The specification attention, FutureWarnings silenced (spec_tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("reference_attention")
 
 
 def requests(count: int = 6):

@@ -7,15 +7,12 @@ evicting ones against ``generate`` with the same kvstack cache alone.
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-import kvstack.hf
 from kvstack.arena import KVArena
 from kvstack.errors import InvalidArgumentError
 from kvstack.hf import TokenTableCache
@@ -44,15 +41,8 @@ SPECS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _quiet_and_reference_backend():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        kvstack.hf.set_backend("reference")
-        try:
-            yield
-        finally:
-            kvstack.hf.set_backend(None)
+# The specification attention, FutureWarnings silenced (spec_tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("reference_attention")
 
 
 @pytest.fixture(scope="module")

@@ -56,6 +56,12 @@ class CacheSpec:
     def evicting(self) -> bool:
         return self.policy is not None
 
+    @property
+    def bounded(self) -> bool:
+        """Whether a request's pages are bounded by its budget (an evicting cache that
+        reclaims); otherwise its cache keeps a block for every token it has seen."""
+        return self.evicting and self.reclaim
+
     def build(self, config: Any, arena: KVArena, prefill_chunk: int | None) -> PagedCache:
         """A fresh cache for one request, on ``arena``. ``config`` must run the ``"kvstack"``
         attention (the engine hands each request's cache its own attention call)."""

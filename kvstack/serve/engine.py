@@ -297,7 +297,7 @@ class Engine:
         """Arena bytes a request must find free to start: its prompt and one block per table of
         decode headroom (lossless, or Naive-Evict, whose blocks never shrink), or for an
         evicting cache its budget with decode slack plus one prefill chunk in flight."""
-        if self.spec.evicting and self.spec.reclaim:
+        if self.spec.bounded:
             tables = self.geometry.tables
             blocks = self._probe.blocks_to_reserve(tables, prompt_tokens)
             return blocks * self.geometry.block_bytes + self.state_bytes
@@ -307,14 +307,14 @@ class Engine:
     def lifetime_bytes(self, prompt_tokens: int, max_new_tokens: int) -> int:
         """The most arena bytes a request can hold alone: every token for caches that keep all
         blocks; an evicting cache's prefill peak."""
-        if self.spec.evicting and self.spec.reclaim:
+        if self.spec.bounded:
             return self.admission_bytes(prompt_tokens)
         return self.geometry.bytes_for(prompt_tokens + max_new_tokens) + self.state_bytes
 
     def _request_admission_bytes(self, request: Request) -> int:
         """``admission_bytes`` for what this request's cache must rebuild: after a preemption a
         cache that keeps every block (lossless, Naive-Evict) recomputes its outputs too."""
-        if self.spec.evicting and self.spec.reclaim:
+        if self.spec.bounded:
             return self.admission_bytes(len(request.prompt_ids))
         return self.admission_bytes(len(request.tokens))
 
@@ -333,7 +333,7 @@ class Engine:
     def _step_bytes(self, work: Work) -> int:
         """Upper bound of the arena bytes ``work`` adds in this step."""
         request = work.request
-        if request.computed == 0 and self.spec.evicting and self.spec.reclaim:
+        if request.computed == 0 and self.spec.bounded:
             return self.admission_bytes(len(request.prompt_ids))  # the prefill's peak
         state = self.state_bytes if request.computed == 0 else 0  # taken at its first step
         blocks = 0
