@@ -25,6 +25,9 @@ prompt. Greedy decoding, no stop ids (every request makes its whole output).
 
 from __future__ import annotations
 
+import math
+import random
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,6 +58,14 @@ RATIO = 0.5
 POLICIES = ("h2o", "snapkv")
 MAX_BATCH_TOKENS, PREFILL_CHUNK = 512, 128
 TRACE_SEED = 0
+# The SLA: a request's time per output token may be at most SLA_FACTOR x that of one request
+# decoding alone on the lossless engine (measured in the same run: the median of SOLO_REPEATS).
+SLA_FACTOR, SOLO_REPEATS = 5.0, 3
+# Poisson arrival rates of the SLA sweep, as multiples of the rate at which the lossless engine
+# serves the trace when every request arrives at once; that closed run is the sweep's top rate.
+RATE_FACTORS = (1.0, 2.0)
+QUICK_RATE_FACTORS = (2.0,)
+HF_PAGE_SIZE = 16  # tokens per block of transformers' paged cache: kvstack's block size
 
 
 @dataclass
@@ -71,6 +82,32 @@ class TraceRun:
     steps: int
     preemptions: int
     outputs: list[list[int]]
+    tpot_p95_s: float  # 95th percentile over requests of their time per output token
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.output_tokens / self.wall_seconds
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (linear interpolation between order statistics)."""
+    ordered = sorted(values)
+    if not ordered:
+        return math.nan
+    at = q * (len(ordered) - 1)
+    low = math.floor(at)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
+
+
+def arrival_times(count: int, rate: float, seed: int = TRACE_SEED) -> list[float]:
+    """Seconds after the start at which ``count`` requests arrive: a Poisson process of
+    ``rate`` requests per second (seeded exponential gaps; the first arrives at 0)."""
+    rng, clock, times = random.Random(f"{seed}/serve-arrivals"), 0.0, []
+    for _ in range(count):
+        times.append(clock)
+        clock += rng.expovariate(rate)
+    return times
 
 
 def run_trace(
@@ -81,9 +118,12 @@ def run_trace(
     *,
     max_batch_tokens: int = MAX_BATCH_TOKENS,
     prefill_chunk: int = PREFILL_CHUNK,
+    arrivals: list[float] | None = None,
 ) -> TraceRun:
-    """Submit every (prompt ids, new tokens) request at once to an engine on a fixed arena of
-    ``capacity`` bytes and step until all are done; the arena must be empty afterwards."""
+    """Submit the (prompt ids, new tokens) requests to an engine on a fixed arena of
+    ``capacity`` bytes, all at once or each at its ``arrivals`` second (wall clock; the engine
+    sleeps when it has nothing to do), and step until all are done; the arena must be empty
+    afterwards. The wall time runs from the start to the last request's end."""
     from kvstack.arena import KVArena
     from kvstack.serve import Engine
 
@@ -91,10 +131,19 @@ def run_trace(
     engine = Engine(
         model, arena, cache=spec, max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk
     )
-    handles = [engine.submit(ids, new) for ids, new in requests]
+    due = [0.0] * len(requests) if arrivals is None else list(arrivals)
+    order = sorted(range(len(requests)), key=lambda i: due[i])
+    handles: list[Any] = [None] * len(requests)
     peak = steps = generating = 0
     start = time.perf_counter()
-    while engine.has_work():
+    while order or engine.has_work():
+        now = time.perf_counter() - start
+        while order and due[order[0]] <= now:
+            index = order.pop(0)
+            handles[index] = engine.submit(*requests[index])
+        if not engine.has_work():
+            time.sleep(max(0.0, due[order[0]] - now))
+            continue
         produced = len(engine.step())
         steps += 1
         peak = max(peak, produced)
@@ -110,6 +159,7 @@ def run_trace(
         steps=steps,
         preemptions=engine.preemptions,
         outputs=[h.output_ids for h in handles],
+        tpot_p95_s=percentile([h.stats.tpot_s for h in handles if h.stats.tokens > 1], 0.95),
     )
 
 
@@ -185,6 +235,68 @@ def _sequential(model: Any, requests: list[tuple[list[int], int]]) -> tuple[floa
     return wall, outputs
 
 
+def _hf_continuous_batching(
+    model: Any, requests: list[tuple[list[int], int]], kv_bytes: int
+) -> tuple[float, list[list[int]], int]:
+    """Wall seconds, outputs and cache bytes of the requests through transformers' own
+    continuous batching (``ContinuousBatchingManager``, what ``generate_batch`` runs, with each
+    request's own ``max_new_tokens``) on a paged cache of ``kv_bytes``: FIFO, its paged SDPA
+    attention over every scheduled request at once. Block sharing (prefix caching) is off, as
+    kvstack has none. A warm-up of a few short requests runs first, untimed, on the same
+    manager."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    model.set_attn_implementation("sdpa")
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    block_bytes = (  # K and V of HF_PAGE_SIZE tokens in every layer
+        HF_PAGE_SIZE
+        * config.num_hidden_layers
+        * config.num_key_value_heads
+        * head_dim
+        * 2
+        * next(model.parameters()).element_size()
+    )
+    batching = ContinuousBatchingConfig(
+        page_size=HF_PAGE_SIZE,
+        num_blocks=kv_bytes // block_bytes,
+        max_batch_tokens=MAX_BATCH_TOKENS,
+        allow_block_sharing=False,
+    )
+    generation = GenerationConfig(do_sample=False, max_new_tokens=max(n for _, n in requests))
+
+    def serve(manager: Any, batch: list[tuple[list[int], int]]) -> dict[str, Any]:
+        ids = [manager.add_request(list(p), max_new_tokens=n) for p, n in batch]
+        results: dict[str, Any] = {}
+        while len(results) < len(ids):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                if result.error is not None:
+                    raise RuntimeError(f"transformers' continuous batching: {result.error}")
+                results[result.request_id] = result
+            elif result is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching stopped before the end")
+        return {i: results[i] for i in ids}
+
+    with (
+        torch.inference_mode(),
+        model.continuous_batching_context_manager(
+            generation_config=generation,
+            continuous_batching_config=batching,
+            block=True,
+            timeout=60,
+        ) as manager,
+    ):
+        serve(manager, [(p, min(n, 4)) for p, n in requests[:4]])  # untimed warm-up
+        start = time.perf_counter()
+        results = serve(manager, requests)
+        wall = time.perf_counter() - start
+        cache_bytes = manager.batch_processor.cache.cache_tensor.numel()  # a uint8 tensor
+    outputs = [list(r.generated_tokens) for r in results.values()]
+    return wall, outputs, cache_bytes
+
+
 def measure(quick: bool, log: Callable[[str], None]) -> Measured:
     import kvstack.serve  # noqa: F401  (registers the engine's attention)
     from kvstack.models import load_smollm2
@@ -205,26 +317,59 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
     figures: dict[str, Figure] = {}
     runs: dict[str, TraceRun] = {}
 
-    # Untimed: the first calls of each cache kind compile kvstack's attention (torch.compile).
-    warm = [(ids, min(new, 4)) for ids, new in requests[:4]]
+    # Untimed: the first calls of each cache kind compile kvstack's attention (torch.compile),
+    # and a decode step over a new number of requests can compile again (dynamo specialises
+    # sizes 0 and 1, then marks a size that changes dynamic). Outputs of 2 to 8 tokens, twice,
+    # step every batch size from 4 requests down to 1 and lengths from short to long.
+    warm = [(ids, 2 * (i + 1)) for i, (ids, _) in enumerate(requests[:4])]
     for label, spec in specs.items():
         log(f"warm-up: {label}")
-        run_trace(model, 2 * full_kv_bytes(model, warm) + largest, spec, warm)
+        for _ in range(2):
+            run_trace(model, 2 * full_kv_bytes(model, warm) + largest, spec, warm)
 
-    def run(label: str, spec: Any, arena_bytes: int) -> TraceRun:
+    def run(label: str, spec: Any, arena_bytes: int, arrivals: list[float] | None = None):
         log(f"{label}: {len(requests)} requests on a {arena_bytes / 2**20:.1f} MiB arena")
-        runs[label] = run_trace(model, arena_bytes, spec, requests)
+        runs[label] = run_trace(model, arena_bytes, spec, requests, arrivals=arrivals)
         r = runs[label]
         log(
-            f"  {r.peak_generating} at most generating, {r.output_tokens / r.wall_seconds:.1f} tok/s"
+            f"  {r.peak_generating} at most generating, {r.tokens_per_second:.1f} tok/s, "
+            f"p95 TPOT {r.tpot_p95_s * 1e3:.0f} ms"
         )
         return r
 
     full = run("full", specs["full"], capacity)
+    closed = {"full": full}
     for policy in POLICIES:
-        reclaim = run(policy, specs[policy], capacity)
-        naive = run(f"{policy}_naive", specs[f"{policy}_naive"], capacity)
-        for side, other in (("vs_naive", naive), ("vs_full", full)):
+        closed[policy] = run(policy, specs[policy], capacity)
+        closed[f"{policy}_naive"] = run(f"{policy}_naive", specs[f"{policy}_naive"], capacity)
+
+    # The SLA sweep: every cache at the same Poisson arrival rates; a cache's SLA throughput is
+    # its best output tokens/s among the rates (and the closed run) whose p95 TPOT meets the SLA.
+    longest = max(requests, key=lambda r: r[1])
+    solo_tpots = []
+    for repeat in range(SOLO_REPEATS):
+        log(f"solo {repeat + 1}/{SOLO_REPEATS}: one request of {longest[1]} tokens alone")
+        solo_tpots.append(run_trace(model, capacity, specs["full"], [longest]).tpot_p95_s)
+    sla_s = SLA_FACTOR * statistics.median(solo_tpots)
+    base_rate = len(requests) / full.wall_seconds  # requests/s, all arriving at once
+    rate_factors = QUICK_RATE_FACTORS if quick else RATE_FACTORS
+    sla_runs: dict[str, list[TraceRun]] = {label: [r] for label, r in closed.items()}
+    for factor in rate_factors:
+        arrivals = arrival_times(len(requests), factor * base_rate)
+        for label, spec in specs.items():
+            sla_runs[label].append(run(f"{label}@{factor:g}x", spec, capacity, arrivals))
+
+    def sla_throughput(label: str) -> float:
+        met = [r.tokens_per_second for r in sla_runs[label] if r.tpot_p95_s <= sla_s]
+        return max(met, default=0.0)
+
+    def ratio(a: float, b: float) -> float:
+        return a / b if b else (math.inf if a else math.nan)
+
+    for policy in POLICIES:
+        reclaim = closed[policy]
+        for side, other_label in (("vs_naive", f"{policy}_naive"), ("vs_full", "full")):
+            other = closed[other_label]
             key = f"{policy}.{RATIO:g}.{side}"
             what = "Naive-Evict (reclaim=False)" if side == "vs_naive" else "PagedCache (lossless)"
             figures[f"serve.max_concurrency_ratio.{key}"] = Figure(
@@ -235,19 +380,36 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
                 (">=", 1.8) if side == "vs_naive" else None,
             )
             figures[f"serve.throughput_ratio.{key}"] = Figure(
-                (reclaim.output_tokens / reclaim.wall_seconds)
-                / (other.output_tokens / other.wall_seconds),
+                reclaim.tokens_per_second / other.tokens_per_second,
                 "ratio",
                 f"output tokens/s, TokenTableCache({policy}, ratio={RATIO:g}) ÷ {what}, same "
-                "engine, trace and fixed arena",
+                "engine, trace and fixed arena, every request arriving at once",
             )
+            figures[f"serve.sla_throughput_ratio.{key}"] = Figure(
+                ratio(sla_throughput(policy), sla_throughput(other_label)),
+                "ratio",
+                f"best output tokens/s with p95 TPOT <= {SLA_FACTOR:g}x one request alone "
+                f"({sla_s * 1e3:.0f} ms) over Poisson arrivals at "
+                f"{', '.join(f'{f:g}' for f in rate_factors)}x the lossless engine's closed rate "
+                f"and all at once, TokenTableCache({policy}, ratio={RATIO:g}) ÷ {what}",
+            )
+
+    log("transformers continuous batching (ContinuousBatchingManager, paged sdpa)")
+    hf_wall, hf_outputs, hf_cache_bytes = _hf_continuous_batching(model, requests, capacity)
+    output_tokens = sum(new for _, new in requests)
+    figures["serve.over_hf_continuous_batching"] = Figure(
+        full.tokens_per_second / (output_tokens / hf_wall),
+        "ratio",
+        "output tokens/s, the lossless engine ÷ transformers' continuous batching "
+        "(generate_batch's manager), same requests, greedy, KV memory of the same size",
+        (">=", 1.0),
+    )
 
     log("sequential generate (DynamicCache, sdpa)")
     sequential_wall, sequential_outputs = _sequential(model, requests)
     batched = run("full_unbounded", specs["full"], 2 * total_kv + largest)
-    output_tokens = sum(new for _, new in requests)
     figures["serve.batched_over_sequential"] = Figure(
-        (batched.output_tokens / batched.wall_seconds) / (output_tokens / sequential_wall),
+        batched.tokens_per_second / (output_tokens / sequential_wall),
         "ratio",
         f"output tokens/s, the lossless engine with all {len(requests)} requests at once ÷ the "
         "same requests one after another through generate (DynamicCache, sdpa)",
@@ -260,6 +422,7 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         "of the requests whose engine tokens (lossless, batched) equal sequential generate's",
         (">=", 1.0),
     )
+    hf_equal = sum(a == b for a, b in zip(hf_outputs, sequential_outputs, strict=True))
     workload = {
         "model": MODEL_NAME,
         "dtype": "float32",
@@ -279,6 +442,20 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         "prefill_chunk": PREFILL_CHUNK,
         "block_size": 16,
         "sequential_seconds": sequential_wall,
+        "sla": {
+            "tpot_p95_max_s": sla_s,
+            "factor_of_solo_tpot": SLA_FACTOR,
+            "solo_tpot_s": solo_tpots,
+            "closed_rate_requests_per_s": base_rate,
+            "rate_factors": list(rate_factors),
+            "sla_tokens_per_s": {label: sla_throughput(label) for label in specs},
+        },
+        "hf_continuous_batching": {
+            "seconds": hf_wall,
+            "cache_bytes": hf_cache_bytes,
+            "page_size": HF_PAGE_SIZE,
+            "tokens_equal_sequential": hf_equal / len(requests),
+        },
         "runs": {
             label: {
                 "peak_generating": r.peak_generating,
@@ -287,6 +464,7 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
                 "wall_seconds": r.wall_seconds,
                 "steps": r.steps,
                 "preemptions": r.preemptions,
+                "tpot_p95_s": r.tpot_p95_s,
             }
             for label, r in runs.items()
         },
@@ -301,14 +479,16 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
 
 def _runs_table(workload: dict) -> str:
     rows = [
-        "| run | most generating at once | mean generating | output tokens/s | steps | preemptions |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| run | most generating at once | mean generating | output tokens/s | p95 TPOT (ms) "
+        "| steps | preemptions |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for label, r in workload["runs"].items():
         rate = r["output_tokens"] / r["wall_seconds"]
         rows.append(
             f"| `{label}` | {r['peak_generating']} | {format_value(r['mean_generating'], 'ratio')} | "
-            f"{format_value(rate, 'ratio')} | {r['steps']} "
+            f"{format_value(rate, 'ratio')} | {format_value(r['tpot_p95_s'] * 1e3, 'ms')} "
+            f"| {r['steps']} "
             f"| {r['preemptions']} |"
         )
     return "\n".join(rows)

@@ -7,7 +7,15 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kvstack.bench.serve import full_kv_bytes, largest_request_bytes, readme_tables, run_trace
+from kvstack.bench.serve import (
+    _hf_continuous_batching,
+    arrival_times,
+    full_kv_bytes,
+    largest_request_bytes,
+    percentile,
+    readme_tables,
+    run_trace,
+)
 from kvstack.policies import H2O
 from kvstack.serve import CacheSpec
 
@@ -72,6 +80,45 @@ def test_a_reclaiming_cache_never_outgrows_its_admission_while_naive_evict_does(
     assert naive_run.outputs == reclaim_run.outputs  # the same evictions, only memory differs
 
 
+def test_percentile_interpolates_between_order_statistics():
+    assert percentile([3.0, 1.0, 2.0, 4.0, 5.0], 0.95) == pytest.approx(4.8)
+    assert percentile([2.0], 0.95) == 2.0
+    assert percentile([1.0, 9.0], 0.5) == 5.0
+
+
+def test_arrivals_are_a_seeded_poisson_process_from_zero():
+    times = arrival_times(2000, rate=4.0)
+    assert times == arrival_times(2000, rate=4.0) and times[0] == 0.0
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    assert min(gaps) >= 0
+    # Exponential gaps of mean 1/4 s: 1999 of them average within 10% of it.
+    assert sum(gaps) / len(gaps) == pytest.approx(0.25, rel=0.1)
+
+
+def test_requests_arriving_over_time_keep_their_tokens_and_the_run_lasts_past_the_last(model):
+    trace = requests(4)
+    at_once = run_trace(model, 4 * full_kv_bytes(model, trace), CacheSpec(), trace)
+    spread = [0.0, 0.05, 0.1, 0.3]
+    arriving = run_trace(
+        model, 4 * full_kv_bytes(model, trace), CacheSpec(), trace, arrivals=spread
+    )
+    assert arriving.outputs == at_once.outputs
+    assert arriving.wall_seconds >= 0.3
+    assert at_once.tpot_p95_s > 0 and arriving.tpot_p95_s > 0
+
+
+def test_transformers_continuous_batching_baseline_makes_generates_tokens(model):
+    # The baseline of serve.over_hf_continuous_batching: each request's own length, greedy, and
+    # the tokens of our lossless engine (which equal generate's), on a cache of the given bytes.
+    trace = requests(3)
+    capacity = 2 * full_kv_bytes(model, trace)
+    engine_run = run_trace(model, capacity, CacheSpec(), trace)
+    wall, outputs, cache_bytes = _hf_continuous_batching(model, trace, capacity)
+    assert wall > 0 and outputs == engine_run.outputs
+    # Its paged cache holds the bytes asked for, rounded to its sectors, and two spare sectors.
+    assert capacity <= cache_bytes <= 1.25 * capacity
+
+
 def test_the_readme_table_keeps_every_figure():
     figure = {"value": 1.0, "unit": "ratio", "description": "", "target": None, "met": None}
     run = {
@@ -81,6 +128,7 @@ def test_the_readme_table_keeps_every_figure():
         "wall_seconds": 2.0,
         "steps": 9,
         "preemptions": 1,
+        "tpot_p95_s": 0.25,
     }
     results = {
         "figures": {
@@ -103,4 +151,4 @@ def test_the_readme_table_keeps_every_figure():
     }
     table = readme_tables(results)["serve"]
     assert "serve.batched_over_sequential" in table and "serve.tokens_equal_sequential" in table
-    assert "| `full` | 3 | 2.5 | 15 | 9 | 1 |" in table
+    assert "| `full` | 3 | 2.5 | 15 | 250 | 9 | 1 |" in table

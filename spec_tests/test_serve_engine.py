@@ -141,6 +141,69 @@ def test_a_tight_arena_preempts_the_newest_and_outputs_do_not_change(model, spec
     assert serving.arena.bytes_used == 0
 
 
+@pytest.mark.parametrize("spec_name", sorted(SPECS))
+def test_a_decode_step_attends_every_request_in_one_call_per_layer(model, spec_name, monkeypatch):
+    import kvstack.serve.attention as serve_attention
+
+    requests = [(prompt(20 + 7 * i, 60 + i), 6) for i in range(3)]
+    serving = engine(model, spec_name, 64 * BLOCK_BYTES, max_batch_tokens=64)
+    handles = [serving.submit(ids, n) for ids, n in requests]
+    while not all(h.output_ids for h in handles):  # every prompt in
+        serving.step()
+    calls, alone = [], []
+    real_batch, real_alone = serve_attention.attend_decodes, serve_attention.kvstack_attention
+
+    def batch(layers, queries, scaling):
+        calls.append(len(layers))
+        return real_batch(layers, queries, scaling)
+
+    def single(*args, **kwargs):
+        alone.append(1)
+        return real_alone(*args, **kwargs)
+
+    monkeypatch.setattr(serve_attention, "attend_decodes", batch)
+    monkeypatch.setattr(serve_attention, "kvstack_attention", single)
+    serving.step()
+    assert calls == [3] * TINY["num_hidden_layers"] and not alone
+    monkeypatch.undo()
+    serving.run()
+    # Ragged tables (prompts of 20, 27 and 34 tokens) in one call give each its solo tokens.
+    assert [h.output_ids for h in handles] == [solo(model, spec_name, i, n) for i, n in requests]
+
+
+@pytest.mark.parametrize("spec_name", ["paged", "h2o"])
+def test_a_prefilled_request_keeps_only_its_decode_headroom(model, spec_name):
+    # Once its prompt is in, a running request is promised one block per table of decode
+    # headroom (lossless), or its tables at their budget (evicting): no more. The next request
+    # is admitted exactly when the arena holds that and its own admission bytes.
+    probe = engine(model, spec_name, 64 * BLOCK_BYTES)
+    first_ids, second_ids = prompt(40, 1), prompt(40, 2)
+    if spec_name == "paged":
+        # The first request's 40 prompt tokens and its first output: 3 blocks per layer, and
+        # one more of headroom.
+        kept = probe.geometry.bytes_for(41, extra_blocks_per_table=1)
+    else:
+        # Its admission bytes less the one layer's prefill chunk in flight (one block per
+        # table: the chunk is 16 tokens), which it no longer needs.
+        one_chunk = probe.geometry.tables * probe.geometry.block_bytes
+        kept = probe.admission_bytes(len(first_ids)) - one_chunk
+    capacity = kept + probe.admission_bytes(len(second_ids))
+    for arena_bytes, admitted in ((capacity, True), (capacity - 1, False)):
+        serving = engine(model, spec_name, arena_bytes)
+        first = serving.submit(first_ids, 8)
+        serving.step()
+        serving.step()  # lossless: its prompt takes three 16-token chunks
+        serving.step()
+        assert first.output_ids  # prefilled, decoding
+        second = serving.submit(second_ids, 8)
+        serving.step()
+        assert (second in serving.running) is admitted
+        serving.run()
+        assert first.output_ids == solo(model, spec_name, first_ids, 8)
+        assert second.output_ids == solo(model, spec_name, second_ids, 8)
+        assert serving.arena.bytes_used == 0
+
+
 @settings(
     max_examples=12,
     deadline=None,
@@ -262,26 +325,26 @@ def test_cancel_returns_the_pages(model):
 
 
 def test_an_error_mid_step_leaves_no_half_written_cache(model, monkeypatch):
-    import kvstack.serve.engine as serve_engine
+    import kvstack.serve.attention as serve_attention
 
     requests = [(prompt(20 + i, 50 + i), 8) for i in range(3)]
     serving = engine(model, "paged", 64 * BLOCK_BYTES)
     handles = [serving.submit(ids, n) for ids, n in requests]
     serving.step()
-    serving.step()
+    serving.step()  # every prompt is in: the next step decodes all three in one call a layer
     calls = {"n": 0}
-    real_attention = serve_engine.kvstack_attention
+    real_attention = serve_attention.attend_decodes
 
     def failing_attention(*args, **kwargs):
         calls["n"] += 1
-        if calls["n"] == 4:  # layer 1 of the first request: layer 0 stored all three
+        if calls["n"] == 2:  # layer 1: layer 0 stored and attended all three
             raise RuntimeError("injected")
         return real_attention(*args, **kwargs)
 
-    monkeypatch.setattr(serve_engine, "kvstack_attention", failing_attention)
+    monkeypatch.setattr(serve_attention, "attend_decodes", failing_attention)
     with pytest.raises(RuntimeError, match="injected"):
         serving.step()
-    monkeypatch.setattr(serve_engine, "kvstack_attention", real_attention)
+    monkeypatch.setattr(serve_attention, "attend_decodes", real_attention)
     # Every request of the failed step gave its pages back and waits to recompute.
     assert serving.running == () and serving.arena.bytes_used == 0
     assert [r.id for r in serving.waiting] == [h.id for h in handles]

@@ -10,16 +10,17 @@ Each request gets its own kvstack cache (``CacheSpec``) on the engine's arena, s
 request frees (eviction, repacking, finishing) serve the next. A step is one forward pass of the
 model over every scheduled request's tokens, packed into one row: decode tokens of running
 requests and prefill work of new ones, each with its own positions. The model runs the engine's
-attention (``"kvstack_serve"``), which splits the packed K/V by request and hands each request's
-part to that request's cache and the kvstack attention, exactly as ``generate`` with that cache
-would. (Attention therefore runs once per request and layer; batching it across requests is the
-performance issue's work.)
+attention (``"kvstack_serve"``, ``kvstack.serve.attention``): it hands each request's part of the
+packed K/V to that request's cache, exactly as ``generate`` with that cache would, then attends
+every decode token of the step in one call over all their token tables (slot ids are arena-wide)
+and each prefill through the kvstack attention.
 
 A step, in order:
 
 1. **Admission**, FIFO: the oldest waiting request starts when the arena's free bytes, less
-   what running requests were promised (the rest of their admission bytes, and one block per
-   table of decode headroom), hold its ``admission_bytes``. Nobody overtakes it.
+   what running requests were promised (the rest of their admission bytes while they prefill;
+   then one block per table of decode headroom, or for an evicting cache its tables at their
+   budget), hold its ``admission_bytes``. Nobody overtakes it.
 2. **Batch**: each running request offers its next work (``scheduler.Work``); the
    ``BatchRule`` orders the offers and the step takes them within ``max_batch_tokens``.
 3. **Pages**: the step's work must fit the free pages; while it does not, the newest running
@@ -51,8 +52,9 @@ from transformers.cache_utils import Cache
 
 from kvstack.arena import KVArena
 from kvstack.errors import ArenaExhausted, InvalidArgumentError
-from kvstack.hf import ATTENTION_NAME, PagedLayer, kvstack_attention
+from kvstack.hf import ATTENTION_NAME, PagedLayer
 from kvstack.reference.checks import check_positive_int
+from kvstack.serve.attention import SEGMENTS_KWARG, serve_attention
 from kvstack.serve.cache_spec import CacheGeometry, CacheSpec, cache_config
 from kvstack.serve.request import (
     Request,
@@ -65,7 +67,6 @@ from kvstack.serve.request import (
 from kvstack.serve.scheduler import BatchRule, PageAwareRule, Work, fill_batch
 
 SERVE_ATTENTION = "kvstack_serve"
-SEGMENTS_KWARG = "kvstack_segments"  # the step's context, passed through the model call
 DEFAULT_MAX_BATCH_TOKENS = 512
 DEFAULT_PREFILL_CHUNK = 256
 
@@ -77,33 +78,6 @@ class _Segment:
     cache: Any
     start: int
     end: int
-
-
-def serve_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """The engine's attention: query [1, H_q, T, D] and key/value [1, H_kv, T, D] of a packed
-    step; each request's slice goes to its cache and the kvstack attention. Returns
-    [1, T, H_q, D]. The step's segments arrive as the forward's keyword argument
-    ``kvstack_segments`` (transformers hands a model call's extra keyword arguments to every
-    attention call); without them it is the kvstack attention."""
-    segments = kwargs.pop(SEGMENTS_KWARG, None)
-    if segments is None:
-        return kvstack_attention(module, query, key, value, attention_mask, scaling, **kwargs)
-    outs = []
-    for segment in segments:
-        s, e = segment.start, segment.end
-        k, v = segment.cache.update(key[:, :, s:e], value[:, :, s:e], module.layer_idx)
-        out, _ = kvstack_attention(module, query[:, :, s:e], k, v, None, scaling, **kwargs)
-        outs.append(out)  # [1, e - s, H_q, D]
-    return torch.cat(outs, dim=1), None
 
 
 def register() -> None:
@@ -318,17 +292,26 @@ class Engine:
             return self.admission_bytes(len(request.prompt_ids))
         return self.admission_bytes(len(request.tokens))
 
+    def _kept_bytes(self, request: Request) -> int:
+        """The arena bytes the engine keeps for a running request: its admission bytes until
+        its prompt is in; then, for a cache that keeps every block, what it holds plus one
+        block per table of decode headroom (``admission_bytes`` of its tokens so far), and for
+        an evicting cache its tables at their budget with their decode slack (its admission
+        bytes less the prefill chunk in flight, which it no longer needs)."""
+        prompt = len(request.prompt_ids)
+        if self.spec.bounded and request.computed >= prompt:
+            in_flight = min(prompt, self.prefill_chunk)
+            chunk_blocks = self.geometry.tables * -(-in_flight // self.geometry.block_size)
+            return self.admission_bytes(prompt) - chunk_blocks * self.geometry.block_bytes
+        return self._request_admission_bytes(request)
+
     def _held_bytes(self, request: Request) -> int:
         return 0 if request.cache is None else int(request.cache.stats()["bytes_used"])
 
     def _promised_bytes(self) -> int:
-        """What running requests may still take without preemption: the rest of their
-        admission bytes, and one block per table each for their next decode token."""
-        headroom = self.geometry.bytes_for(0, extra_blocks_per_table=1)
-        return sum(
-            max(0, self._request_admission_bytes(r) - self._held_bytes(r)) + headroom
-            for r in self._running
-        )
+        """What running requests may still take, beyond what they hold, before the engine
+        would preempt one (``_kept_bytes``)."""
+        return sum(max(0, self._kept_bytes(r) - self._held_bytes(r)) for r in self._running)
 
     def _step_bytes(self, work: Work) -> int:
         """Upper bound of the arena bytes ``work`` adds in this step."""
