@@ -15,12 +15,33 @@ prompt. Greedy decoding, no stop ids (every request makes its whole output).
   evicting cache takes its whole prompt in one step, a lossless one in ``PREFILL_CHUNK``s).
 * ``serve.throughput_ratio.{policy}.0.5.{vs_naive,vs_full}``: output tokens per second of the
   same runs, the same pairs.
+* ``serve.sla_throughput_ratio.{policy}.0.5.{vs_naive,vs_full}``: the same pairs of each cache's
+  SLA throughput: its best output tokens/s, among Poisson arrivals at ``RATE_FACTORS`` x the rate
+  at which the lossless engine served the trace arriving at once (and that closed run), whose
+  p95 TPOT is at most ``SLA_FACTOR`` x the TPOT of one request decoding alone on the lossless
+  engine (measured in the same run). vToken reports 1.37x. A cache that meets the SLA at no
+  rate has SLA throughput 0.
+* ``serve.over_hf_continuous_batching``: output tokens/s of the lossless engine on the fixed
+  arena ÷ transformers' own continuous batching (``ContinuousBatchingManager``, what
+  ``generate_batch`` runs, each request with its own length) on a paged cache of the same bytes
+  (its sector rounding and two spare sectors make it slightly larger; the workload records its
+  bytes), same requests, greedy (target ≥ 1). What differs: the scheduler, and the attention
+  (its paged SDPA over every request at once; ours one paged call per layer for the step's
+  decode tokens, and one per request for prefill work).
 * ``serve.batched_over_sequential``: output tokens/s of the lossless engine on an arena that
   holds every request at once ÷ the same requests one after another through ``generate`` with
-  ``DynamicCache`` and SDPA attention (target ≥ 3). What differs: batching, and the attention
-  (the engine calls kvstack's paged attention once per request and layer).
+  ``DynamicCache`` and SDPA attention (target ≥ 3). What differs: batching, and the attention.
 * ``serve.tokens_equal_sequential``: the fraction of those requests whose engine tokens equal
   their sequential ``generate`` tokens.
+* ``serve.hybrid.{goodput,preemptions,effective_batch}.{padded_unified,fixed_dual,kvstack}``
+  (AVMP's metric names; per model with a ``.{model}`` suffix): the engine on two tiny hybrids
+  whose page proportions are Jamba-1.5-Mini's and Qwen3-Next's (``hybrid_config``), with each of
+  the arena's three layouts (``kvstack.serve.layouts``), on one fixed arena per model, a
+  ShareGPT-like trace all arriving at once. Goodput: output tokens/s (median of
+  ``HYBRID_REPEATS``; both models' tokens over both models' seconds); preemptions: their sum;
+  effective batch: requests making a token per step, the mean over steps (and over models).
+  ``serve.hybrid.kvstack_best``: the fraction of (metric, model) pairs where kvstack is at
+  least as good as both others (target 1).
 """
 
 from __future__ import annotations
@@ -119,6 +140,7 @@ def run_trace(
     max_batch_tokens: int = MAX_BATCH_TOKENS,
     prefill_chunk: int = PREFILL_CHUNK,
     arrivals: list[float] | None = None,
+    layout: str = "kvstack",
 ) -> TraceRun:
     """Submit the (prompt ids, new tokens) requests to an engine on a fixed arena of
     ``capacity`` bytes, all at once or each at its ``arrivals`` second (wall clock; the engine
@@ -129,7 +151,12 @@ def run_trace(
 
     arena = KVArena(capacity, dtype=next(model.parameters()).dtype)
     engine = Engine(
-        model, arena, cache=spec, max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk
+        model,
+        arena,
+        cache=spec,
+        max_batch_tokens=max_batch_tokens,
+        prefill_chunk=prefill_chunk,
+        layout=layout,
     )
     due = [0.0] * len(requests) if arrivals is None else list(arrivals)
     order = sorted(range(len(requests)), key=lambda i: due[i])
@@ -297,6 +324,210 @@ def _hf_continuous_batching(
     return wall, outputs, cache_bytes
 
 
+# --------------------------------------------------------------------------- hybrid layouts
+# Tiny random-weight hybrids whose page sizes keep the real models' proportions: the state page
+# of one state layer is as many KV tokens of one attention layer as in the real model (Jamba-1.5-
+# Mini: 80, so vLLM's block is 80 tokens; Qwen3-Next-80B-A3B: 544, here 560, the nearest with
+# these head sizes), and state layers outnumber attention layers as there (7:1 and 3:1).
+_HYBRID_BASE = dict(
+    initializer_range=0.2,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=127,
+)
+HYBRID_MODELS = ("jamba_like", "qwen3_next_like")
+HYBRID_REQUESTS, HYBRID_MAX_CONTEXT, HYBRID_MAX_NEW = 24, 256, 32
+QUICK_HYBRID_REQUESTS = 6
+HYBRID_ARENA_FRACTION = 0.3  # of the trace's whole footprint (KV of every token, exact states)
+HYBRID_REPEATS = 3  # timed runs per (model, layout); goodput is their median
+
+
+def hybrid_config(name: str) -> Any:
+    """The config of one of ``HYBRID_MODELS`` (see the comment above them)."""
+    import transformers
+
+    if name == "jamba_like":
+        return transformers.JambaConfig(
+            **_HYBRID_BASE,
+            num_hidden_layers=8,
+            attn_layer_period=8,
+            attn_layer_offset=4,  # one attention layer, seven Mamba layers
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            num_experts=2,
+            num_experts_per_tok=1,
+            mamba_d_state=36,  # 128 channels x (conv 4 + state 36) = 80 KV tokens of one layer
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_dt_rank=8,
+        )
+    if name == "qwen3_next_like":
+        return transformers.Qwen3NextConfig(
+            **_HYBRID_BASE,
+            num_hidden_layers=4,
+            head_dim=16,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            linear_key_head_dim=64,
+            linear_value_head_dim=64,
+            linear_num_key_heads=2,
+            linear_num_value_heads=8,  # conv 768 x 4 + state 8 x 64 x 64 = 560 KV tokens
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+        )
+    raise ValueError(f"name must be one of {HYBRID_MODELS}, got {name!r}")
+
+
+def hybrid_requests(count: int, vocab: int) -> list[tuple[list[int], int]]:
+    """ShareGPT-like lengths scaled to ``HYBRID_MAX_CONTEXT``, outputs capped at
+    ``HYBRID_MAX_NEW``; seeded random prompt ids (the weights are random too)."""
+    from kvstack.workloads import draw_trace
+
+    generator = torch.Generator().manual_seed(TRACE_SEED)
+    requests = []
+    for request in draw_trace(count, seed=TRACE_SEED, max_context=HYBRID_MAX_CONTEXT):
+        ids = torch.randint(2, vocab - 1, (request.prompt_tokens,), generator=generator)
+        requests.append((ids.tolist(), max(1, min(request.output_tokens, HYBRID_MAX_NEW))))
+    return requests
+
+
+def hybrid_capacity(model: Any, requests: list[tuple[list[int], int]], fraction: float) -> int:
+    """``fraction`` of the trace's footprint in kvstack's exact terms, raised (by 10% steps)
+    until every layout could run its most demanding request alone."""
+    from kvstack.arena import KVArena
+    from kvstack.serve import Engine
+    from kvstack.serve.layouts import LAYOUTS, hybrid_geometry
+
+    geometry = hybrid_geometry(model.config, next(model.parameters()).element_size())
+    kv_token = geometry.kv_token_bytes * geometry.attention_layers
+    footprint = sum(
+        (len(ids) + new) * kv_token + geometry.state_bytes_per_sequence for ids, new in requests
+    )
+    capacity = int(fraction * footprint)
+
+    def every_request_fits(capacity: int) -> bool:
+        for layout in LAYOUTS:
+            engine = Engine(model, KVArena(capacity), layout=layout)
+            if not all(engine.could_run_alone(len(ids), new) for ids, new in requests):
+                return False
+        return True
+
+    while not every_request_fits(capacity):
+        capacity = int(capacity * 1.1)
+    return capacity
+
+
+def measure_hybrid(quick: bool, log: Callable[[str], None]) -> tuple[dict[str, Figure], dict]:
+    """``serve.hybrid.*``: the engine on tiny hybrids with each of the arena's three layouts."""
+    from transformers import AutoModelForCausalLM
+
+    from kvstack.serve import CacheSpec
+    from kvstack.serve.layouts import LAYOUTS
+
+    count = QUICK_HYBRID_REQUESTS if quick else HYBRID_REQUESTS
+    repeats = 1 if quick else HYBRID_REPEATS
+    figures: dict[str, Figure] = {}
+    workload: dict[str, Any] = {}
+    totals = {
+        layout: {"tokens": 0, "seconds": 0.0, "preemptions": 0, "batch": []} for layout in LAYOUTS
+    }
+    best = []
+    for name in HYBRID_MODELS:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(hybrid_config(name)).eval()
+        model.generation_config.eos_token_id = None
+        requests = hybrid_requests(count, model.config.vocab_size)
+        capacity = hybrid_capacity(model, requests, HYBRID_ARENA_FRACTION)
+        results = {}
+        for layout in LAYOUTS:
+            log(f"hybrid {name}, {layout}: {count} requests on {capacity / 2**20:.2f} MiB")
+            # Untimed: each layout's block size is a new shape for the compiled attention.
+            run_trace(model, capacity, CacheSpec(), requests[:3], layout=layout)
+            runs = [
+                run_trace(model, capacity, CacheSpec(), requests, layout=layout)
+                for _ in range(repeats)
+            ]
+            wall = statistics.median(r.wall_seconds for r in runs)
+            run = runs[0]  # scheduling is deterministic: every repeat makes the same steps
+            results[layout] = {
+                "goodput": run.output_tokens / wall,
+                "preemptions": run.preemptions,
+                "effective_batch": run.mean_generating,
+                "peak_generating": run.peak_generating,
+                "steps": run.steps,
+                "output_tokens": run.output_tokens,
+                "wall_seconds": wall,
+            }
+            total = totals[layout]
+            total["tokens"] += run.output_tokens
+            total["seconds"] += wall
+            total["preemptions"] += run.preemptions
+            total["batch"].append(run.mean_generating)
+            log(
+                f"  {run.output_tokens / wall:.1f} tok/s, {run.preemptions} preemptions, "
+                f"effective batch {run.mean_generating:.2f}"
+            )
+        for metric, higher in (
+            ("goodput", True),
+            ("preemptions", False),
+            ("effective_batch", True),
+        ):
+            values = {layout: results[layout][metric] for layout in LAYOUTS}
+            ours = values["kvstack"]
+            best.append(all((ours >= v) if higher else (ours <= v) for v in values.values()))
+            for layout in LAYOUTS:
+                figures[f"serve.hybrid.{metric}.{layout}.{name}"] = _hybrid_figure(
+                    metric, layout, values[layout], f"the {name} model"
+                )
+        workload[name] = {
+            "config": hybrid_config(name).to_diff_dict(),
+            "requests": count,
+            "prompt_tokens": [len(ids) for ids, _ in requests],
+            "new_tokens": [new for _, new in requests],
+            "arena_bytes": capacity,
+            "runs": results,
+        }
+    for layout in LAYOUTS:
+        total = totals[layout]
+        aggregate = {
+            "goodput": total["tokens"] / total["seconds"],
+            "preemptions": total["preemptions"],
+            "effective_batch": statistics.mean(total["batch"]),
+        }
+        for metric, value in aggregate.items():
+            figures[f"serve.hybrid.{metric}.{layout}"] = _hybrid_figure(
+                metric, layout, value, "both models"
+            )
+    figures["serve.hybrid.kvstack_best"] = Figure(
+        sum(best) / len(best),
+        "fraction",
+        "of the (metric, model) pairs in which the kvstack layout is at least as good as both "
+        "others (goodput and effective batch higher, preemptions fewer)",
+        (">=", 1.0),
+    )
+    return figures, workload
+
+
+def _hybrid_figure(metric: str, layout: str, value: float, over: str) -> Figure:
+    what = {
+        "goodput": ("tokens/s", "output tokens per second (median of the timed runs)"),
+        "preemptions": ("count", "requests preempted (pages returned, recomputed later)"),
+        "effective_batch": ("ratio", "requests making a token per step, the mean over steps"),
+    }[metric]
+    return Figure(
+        value,
+        what[0],
+        f"{what[1]}, engine on the {layout} layout, {over} (every request arriving at once, "
+        "one fixed arena per model)",
+    )
+
+
 def measure(quick: bool, log: Callable[[str], None]) -> Measured:
     import kvstack.serve  # noqa: F401  (registers the engine's attention)
     from kvstack.models import load_smollm2
@@ -423,6 +654,8 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         (">=", 1.0),
     )
     hf_equal = sum(a == b for a, b in zip(hf_outputs, sequential_outputs, strict=True))
+    hybrid_figures, hybrid_workload = measure_hybrid(quick, log)
+    figures.update(hybrid_figures)
     workload = {
         "model": MODEL_NAME,
         "dtype": "float32",
@@ -455,6 +688,13 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
             "cache_bytes": hf_cache_bytes,
             "page_size": HF_PAGE_SIZE,
             "tokens_equal_sequential": hf_equal / len(requests),
+        },
+        "hybrid": {
+            "models": hybrid_workload,
+            "arena_fraction_of_footprint": HYBRID_ARENA_FRACTION,
+            "trace": f"kvstack.workloads.draw_trace(seed={TRACE_SEED}, max_context="
+            f"{HYBRID_MAX_CONTEXT}), outputs capped at {HYBRID_MAX_NEW}, all submitted at step 0",
+            "repeats": 1 if quick else HYBRID_REPEATS,
         },
         "runs": {
             label: {
@@ -504,21 +744,58 @@ def run_serve(
 
 
 def readme_tables(results: dict) -> dict[str, str]:
-    """The README's serving table, from a results file."""
+    """The README's serving tables, from a results file: the figures (hybrid ones aggregated),
+    the runs, the hybrid layouts per model, and the workload."""
     w = results["workload"]
+    names = [n for n in results["figures"] if not _is_per_model(n)]
     workload = (
         f"Workload: {w['model']}, {w['dtype']} on {w['device']}; {w['requests']} requests from "
         f"{w['trace']}; a fixed arena of {format_value(w['arena_bytes'] / 2**20, 'MiB')} MiB "
         f"({w['arena_fraction_of_full_kv']:g} of the trace's full KV); ratio {w['ratio']:g}, "
         f"max_batch_tokens {w['max_batch_tokens']}, prefill_chunk {w['prefill_chunk']}."
     )
-    return {
-        "serve": figure_table(results, list(results["figures"]))
-        + "\n\n"
-        + _runs_table(w)
-        + "\n\n"
-        + workload
-    }
+    parts = [figure_table(results, names), _runs_table(w), workload]
+    if "sla" in w:
+        sla = w["sla"]
+        parts.append(
+            f"SLA: p95 TPOT <= {format_value(sla['tpot_p95_max_s'] * 1e3, 'ms')} ms "
+            f"({sla['factor_of_solo_tpot']:g}x the median TPOT of one request alone); runs "
+            "`LABEL@Fx` are Poisson arrivals at F x "
+            f"{format_value(sla['closed_rate_requests_per_s'], 'ratio')} requests/s (the rate "
+            "at which the lossless engine served the trace arriving at once)."
+        )
+    if "hybrid" in w:
+        parts.append(_hybrid_table(w["hybrid"]))
+    return {"serve": "\n\n".join(parts)}
+
+
+def _is_per_model(name: str) -> bool:
+    return name.startswith("serve.hybrid.") and name.rsplit(".", 1)[-1] in HYBRID_MODELS
+
+
+def _hybrid_table(hybrid: dict) -> str:
+    rows = [
+        "| hybrid model | layout | goodput (tokens/s) | preemptions | effective batch "
+        "| most generating at once | arena |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, model in hybrid["models"].items():
+        for layout, r in model["runs"].items():
+            rows.append(
+                f"| {name} | `{layout}` | {format_value(r['goodput'], 'ratio')} | "
+                f"{r['preemptions']} | {format_value(r['effective_batch'], 'ratio')} | "
+                f"{r['peak_generating']} | "
+                f"{format_value(model['arena_bytes'] / 2**20, 'MiB')} MiB |"
+            )
+    rows.append("")
+    rows.append(
+        f"Hybrid workload: {hybrid['trace']}; each model's arena is "
+        f"{hybrid['arena_fraction_of_footprint']:g} of its trace's footprint (raised until every "
+        f"layout runs its largest request alone); goodput is the median of {hybrid['repeats']} "
+        "runs. The engine runs one forward pass per request in a step on hybrid models, so a "
+        "larger effective batch does not make a step cheaper."
+    )
+    return "\n".join(rows)
 
 
 __all__ = [

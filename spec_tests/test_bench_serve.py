@@ -8,9 +8,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvstack.bench.serve import (
+    HYBRID_MODELS,
     _hf_continuous_batching,
     arrival_times,
     full_kv_bytes,
+    hybrid_config,
     largest_request_bytes,
     percentile,
     readme_tables,
@@ -119,6 +121,24 @@ def test_transformers_continuous_batching_baseline_makes_generates_tokens(model)
     assert capacity <= cache_bytes <= 1.25 * capacity
 
 
+def test_the_tiny_hybrids_keep_the_real_models_page_proportions():
+    from kvstack.reference import arena_layouts
+    from kvstack.serve.layouts import hybrid_geometry
+
+    real = {
+        "jamba_like": arena_layouts.jamba_1_5_mini(),
+        "qwen3_next_like": arena_layouts.qwen3_next_80b_a3b(),
+    }
+    for name in HYBRID_MODELS:
+        tiny, model = hybrid_geometry(hybrid_config(name), 4), real[name]
+        # A state page in KV tokens of one attention layer: vLLM's block size follows from it.
+        tokens = tiny.state_page_bytes / tiny.kv_token_bytes
+        assert tokens == pytest.approx(model.state_page_bytes / model.kv_token_bytes, rel=0.03)
+        assert tiny.state_layers / tiny.attention_layers == (
+            model.state_layers / model.attention_layers
+        )
+
+
 def test_the_readme_table_keeps_every_figure():
     figure = {"value": 1.0, "unit": "ratio", "description": "", "target": None, "met": None}
     run = {
@@ -147,8 +167,32 @@ def test_the_readme_table_keeps_every_figure():
             "max_batch_tokens": 512,
             "prefill_chunk": 128,
             "runs": {"full": run},
+            "hybrid": {
+                "models": {
+                    "jamba_like": {
+                        "arena_bytes": 2**20,
+                        "runs": {
+                            "kvstack": {
+                                "goodput": 12.0,
+                                "preemptions": 2,
+                                "effective_batch": 3.5,
+                                "peak_generating": 5,
+                            }
+                        },
+                    }
+                },
+                "trace": "t",
+                "arena_fraction_of_footprint": 0.3,
+                "repeats": 3,
+            },
         },
     }
+    results["figures"]["serve.hybrid.goodput.kvstack"] = figure
+    results["figures"]["serve.hybrid.goodput.kvstack.jamba_like"] = figure
     table = readme_tables(results)["serve"]
+    assert "| jamba_like | `kvstack` | 12 | 2 | 3.5 | 5 | 1 MiB |" in table
+    # Per-model hybrid figures are in the hybrid table, not the figures table.
+    assert "serve.hybrid.goodput.kvstack`" in table
+    assert "serve.hybrid.goodput.kvstack.jamba_like" not in table
     assert "serve.batched_over_sequential" in table and "serve.tokens_equal_sequential" in table
     assert "| `full` | 3 | 2.5 | 15 | 250 | 9 | 1 |" in table

@@ -435,3 +435,108 @@ def test_a_hybrid_on_a_tight_arena_is_preempted_and_keeps_its_tokens():
     assert serving.preemptions > 0 and serving.state_bytes > 0
     assert [h.output_ids for h in handles] == expected
     assert serving.arena.bytes_used == 0
+
+
+# ----------------------------------------------------------------- layouts (hybrid models)
+
+
+def _tiny_hybrid(name: str):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    hybrid = AutoModelForCausalLM.from_config(tiny_hybrid_config(name)).eval()
+    hybrid.generation_config.eos_token_id = None
+    return hybrid
+
+
+@pytest.mark.parametrize("name", ["jamba", "qwen3_next"])
+def test_state_bytes_from_the_config_are_what_a_request_holds(name):
+    hybrid = _tiny_hybrid(name)
+    serving = Engine(hybrid, KVArena("1MiB"), max_batch_tokens=48, prefill_chunk=16)
+    predicted = serving.state_bytes
+    handle = serving.submit(prompt(10, 1, vocab=120), 2)
+    serving.step()
+    assert predicted > 0 and handle.cache.stats()["bytes_used_state"] == predicted
+
+
+@pytest.mark.parametrize("layout", ["kvstack", "padded_unified", "fixed_dual"])
+def test_every_layout_serves_hybrid_requests_their_solo_tokens(layout):
+    from kvstack.reference import arena_layouts
+    from kvstack.serve.layouts import hybrid_geometry
+
+    hybrid = _tiny_hybrid("jamba")
+    requests = [(prompt(6 + 5 * i, seed=70 + i, vocab=120), 12) for i in range(4)]
+    hybrid.set_attn_implementation("eager")
+    expected = []
+    for ids, n in requests:
+        with torch.inference_mode():
+            out = hybrid.generate(
+                torch.tensor([ids]),
+                past_key_values=DynamicCache(config=hybrid.config),
+                do_sample=False,
+                max_new_tokens=n,
+            )
+        expected.append(out[0, len(ids) :].tolist())
+    # Tight: fixed_dual's state pool then holds two requests' states, and every layout waits or
+    # preempts.
+    capacity = 56 * 1024
+    serving = Engine(
+        hybrid, KVArena(capacity), max_batch_tokens=48, prefill_chunk=16, layout=layout
+    )
+    geometry = hybrid_geometry(hybrid.config, 4)
+    block = {
+        "kvstack": 16,
+        "padded_unified": arena_layouts.vllm_attention_block_size(geometry),
+        "fixed_dual": 1,
+    }[layout]
+    assert serving.spec.block_size == block
+    handles = [serving.submit(ids, n) for ids, n in requests]
+    most_running = 0
+    while serving.has_work():
+        serving.step()
+        most_running = max(most_running, len(serving.running))
+        states = sum(r.cache.stats()["bytes_used_state"] for r in serving.running)
+        if layout == "fixed_dual":  # the state pool never lends to the KV pool, nor back
+            assert states <= serving.layout.state_pool_bytes
+            assert sum(r.cache.stats()["bytes_used"] for r in serving.running) - states <= (
+                serving.layout.kv_pool_bytes
+            )
+    assert [h.output_ids for h in handles] == expected
+    assert serving.arena.bytes_used == 0
+    assert most_running < len(requests)
+    if layout == "fixed_dual":
+        assert arena_layouts.sglang_pool_split(capacity, geometry).state_slots == 2
+        assert most_running == 2
+
+
+def test_padded_unified_charges_every_state_page_one_attention_block():
+    from kvstack.reference import arena_layouts
+    from kvstack.serve.layouts import hybrid_geometry
+
+    hybrid = _tiny_hybrid("qwen3_next")
+    geometry = hybrid_geometry(hybrid.config, 4)
+    padded = Engine(hybrid, KVArena("4MiB"), layout="padded_unified")
+    exact = Engine(hybrid, KVArena("4MiB"))
+    block = arena_layouts.vllm_attention_block_size(geometry)
+    page = arena_layouts.vllm_page_bytes(geometry)
+    # 40 prompt tokens: two 32-token blocks per attention layer and one of decode headroom;
+    # each state layer's page padded to one attention-layer block.
+    assert block == 32
+    assert (
+        padded.admission_bytes(40)
+        == geometry.attention_layers * 3 * block * (geometry.kv_token_bytes)
+        + geometry.state_layers * page
+    )
+    # kvstack: three 16-token blocks, one of headroom, exact state pages.
+    assert (
+        exact.admission_bytes(40)
+        == geometry.attention_layers * 4 * 16 * (geometry.kv_token_bytes)
+        + geometry.state_bytes_per_sequence
+    )
+
+
+def test_a_layout_of_a_hybrid_system_is_refused_for_a_model_without_states(model):
+    with pytest.raises(InvalidArgumentError, match="layout 'fixed_dual'"):
+        Engine(model, KVArena("1MiB"), layout="fixed_dual")
+    with pytest.raises(InvalidArgumentError, match="layout must be one of"):
+        Engine(model, KVArena("1MiB"), layout="unified")

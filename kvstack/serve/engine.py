@@ -44,7 +44,7 @@ import inspect
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -56,6 +56,7 @@ from kvstack.hf import ATTENTION_NAME, PagedLayer
 from kvstack.reference.checks import check_positive_int
 from kvstack.serve.attention import SEGMENTS_KWARG, serve_attention
 from kvstack.serve.cache_spec import CacheGeometry, CacheSpec, cache_config
+from kvstack.serve.layouts import Need, hybrid_geometry, make_layout
 from kvstack.serve.request import (
     Request,
     RequestStats,
@@ -114,6 +115,7 @@ class Engine:
         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         rule: BatchRule | None = None,
+        layout: str = "kvstack",
     ) -> None:
         spec = CacheSpec() if cache is None else cache
         if not isinstance(spec, CacheSpec):
@@ -145,6 +147,10 @@ class Engine:
             )
         self.model = model
         self.arena = arena
+        # How the arena is divided between KV and recurrent states (``kvstack.serve.layouts``);
+        # padded_unified and fixed_dual build every cache with their systems' block size.
+        self.layout = make_layout(layout, model.config, arena, spec.block_size)
+        spec = replace(spec, block_size=self.layout.block_size)
         self.spec = spec
         self.max_batch_tokens = max_batch_tokens
         self.prefill_chunk = prefill_chunk
@@ -158,8 +164,9 @@ class Engine:
         self.hybrid = any(not isinstance(layer, PagedLayer) for layer in probe.layers)
         self._probe = probe
         # Arena bytes of one request's recurrent-state pages (hybrids): exact sizes, the same for
-        # every request of a model, learned from the first request that holds them.
-        self.state_bytes = 0
+        # every request of a model; from the config where the model's state shapes are known
+        # (``layouts.hybrid_geometry``), else learned from the first request that holds them.
+        self.state_bytes = _state_bytes_of(model.config, arena.itemsize) if self.hybrid else 0
         self.geometry = CacheGeometry.of(probe, arena.itemsize)
         self._cache_kwarg = (
             "cache"
@@ -208,14 +215,15 @@ class Engine:
             raise InvalidArgumentError(
                 f"sampling must be a kvstack.serve.Sampling, got {type(sampling).__name__}"
             )
-        needed = max(
-            self.admission_bytes(len(prompt)), self.lifetime_bytes(len(prompt), max_new_tokens)
-        )
-        if needed > self.arena.capacity_bytes:
+        if not self.could_run_alone(len(prompt), max_new_tokens):
+            needed = max(
+                self.admission_bytes(len(prompt)), self.lifetime_bytes(len(prompt), max_new_tokens)
+            )
             raise InvalidArgumentError(
                 f"a request of {len(prompt)} prompt tokens and up to {max_new_tokens} new tokens "
-                f"needs {needed} arena bytes with {self.spec}, more than the arena's whole "
-                f"capacity of {self.arena.capacity_bytes} bytes; it could never run"
+                f"needs {needed} arena bytes with {self.spec} in the {self.layout.name} layout, "
+                f"more than the arena's capacity of {self.arena.capacity_bytes} bytes can "
+                "give it; it could never run"
             )
         request = Request(
             id=self._next_id,
@@ -270,54 +278,83 @@ class Engine:
     def admission_bytes(self, prompt_tokens: int) -> int:
         """Arena bytes a request must find free to start: its prompt and one block per table of
         decode headroom (lossless, or Naive-Evict, whose blocks never shrink), or for an
-        evicting cache its budget with decode slack plus one prefill chunk in flight."""
-        if self.spec.bounded:
-            tables = self.geometry.tables
-            blocks = self._probe.blocks_to_reserve(tables, prompt_tokens)
-            return blocks * self.geometry.block_bytes + self.state_bytes
-        kv = self.geometry.bytes_for(prompt_tokens, extra_blocks_per_table=1)
-        return kv + self.state_bytes
+        evicting cache its budget with decode slack plus one prefill chunk in flight; and its
+        state pages (hybrids), as the layout charges them."""
+        return self.layout.charged(self._admission_need(prompt_tokens))
 
     def lifetime_bytes(self, prompt_tokens: int, max_new_tokens: int) -> int:
         """The most arena bytes a request can hold alone: every token for caches that keep all
-        blocks; an evicting cache's prefill peak."""
-        if self.spec.bounded:
-            return self.admission_bytes(prompt_tokens)
-        return self.geometry.bytes_for(prompt_tokens + max_new_tokens) + self.state_bytes
+        blocks; an evicting cache's prefill peak (as the layout charges them)."""
+        return self.layout.charged(self._lifetime_need(prompt_tokens, max_new_tokens))
 
-    def _request_admission_bytes(self, request: Request) -> int:
-        """``admission_bytes`` for what this request's cache must rebuild: after a preemption a
+    def could_run_alone(self, prompt_tokens: int, max_new_tokens: int) -> bool:
+        """Whether a request of this size fits the arena (in the engine's layout) when it runs
+        alone: what ``submit`` checks before queueing it."""
+        needs = (
+            self._admission_need(prompt_tokens),
+            self._lifetime_need(prompt_tokens, max_new_tokens),
+        )
+        return all(self.layout.could_ever_fit(need) for need in needs)
+
+    def _admission_need(self, prompt_tokens: int) -> Need:
+        if self.spec.bounded:
+            tables = self.geometry.tables
+            blocks = self._probe.blocks_to_reserve(tables, prompt_tokens)
+            return Need(blocks * self.geometry.block_bytes, self.state_bytes)
+        kv = self.geometry.bytes_for(prompt_tokens, extra_blocks_per_table=1)
+        return Need(kv, self.state_bytes)
+
+    def _lifetime_need(self, prompt_tokens: int, max_new_tokens: int) -> Need:
+        if self.spec.bounded:
+            return self._admission_need(prompt_tokens)
+        return Need(self.geometry.bytes_for(prompt_tokens + max_new_tokens), self.state_bytes)
+
+    def _request_admission_need(self, request: Request) -> Need:
+        """``_admission_need`` for what this request's cache must rebuild: after a preemption a
         cache that keeps every block (lossless, Naive-Evict) recomputes its outputs too."""
         if self.spec.bounded:
-            return self.admission_bytes(len(request.prompt_ids))
-        return self.admission_bytes(len(request.tokens))
+            return self._admission_need(len(request.prompt_ids))
+        return self._admission_need(len(request.tokens))
 
-    def _kept_bytes(self, request: Request) -> int:
+    def _kept_need(self, request: Request) -> Need:
         """The arena bytes the engine keeps for a running request: its admission bytes until
         its prompt is in; then, for a cache that keeps every block, what it holds plus one
-        block per table of decode headroom (``admission_bytes`` of its tokens so far), and for
+        block per table of decode headroom (the admission bytes of its tokens so far), and for
         an evicting cache its tables at their budget with their decode slack (its admission
         bytes less the prefill chunk in flight, which it no longer needs)."""
         prompt = len(request.prompt_ids)
+        need = self._request_admission_need(request)
         if self.spec.bounded and request.computed >= prompt:
             in_flight = min(prompt, self.prefill_chunk)
             chunk_blocks = self.geometry.tables * -(-in_flight // self.geometry.block_size)
-            return self.admission_bytes(prompt) - chunk_blocks * self.geometry.block_bytes
-        return self._request_admission_bytes(request)
+            return Need(need.kv - chunk_blocks * self.geometry.block_bytes, need.state)
+        return need
 
-    def _held_bytes(self, request: Request) -> int:
-        return 0 if request.cache is None else int(request.cache.stats()["bytes_used"])
+    def _held_need(self, request: Request) -> Need:
+        if request.cache is None:
+            return Need()
+        stats = request.cache.stats()
+        state = int(stats["bytes_used_state"])
+        return Need(int(stats["bytes_used"]) - state, state)
 
-    def _promised_bytes(self) -> int:
+    def _held(self) -> Need:
+        """What every running request holds."""
+        return sum((self._held_need(r) for r in self._running), Need())
+
+    def _promised_need(self) -> Need:
         """What running requests may still take, beyond what they hold, before the engine
-        would preempt one (``_kept_bytes``)."""
-        return sum(max(0, self._kept_bytes(r) - self._held_bytes(r)) for r in self._running)
+        would preempt one (``_kept_need``)."""
+        promised = Need()
+        for request in self._running:
+            kept, held = self._kept_need(request), self._held_need(request)
+            promised += Need(max(0, kept.kv - held.kv), max(0, kept.state - held.state))
+        return promised
 
-    def _step_bytes(self, work: Work) -> int:
+    def _step_need(self, work: Work) -> Need:
         """Upper bound of the arena bytes ``work`` adds in this step."""
         request = work.request
         if request.computed == 0 and self.spec.bounded:
-            return self.admission_bytes(len(request.prompt_ids))  # the prefill's peak
+            return self._admission_need(len(request.prompt_ids))  # the prefill's peak
         state = self.state_bytes if request.computed == 0 else 0  # taken at its first step
         blocks = 0
         for layer in request.cache.paged_layers:
@@ -325,7 +362,7 @@ class Engine:
                 blocks += layer.batch.blocks_needed(work.tokens)
             else:  # its first step: one table per group, each takes every new token
                 blocks += self.geometry.tables * -(-work.tokens // self.geometry.block_size)
-        return blocks * self.geometry.block_bytes + state
+        return Need(blocks * self.geometry.block_bytes, state)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[tuple[Request, list[int]]]:
@@ -344,7 +381,7 @@ class Engine:
             for work in batch:
                 if work.request.cache is not None:
                     self._preempt(work.request)
-            # The bound in _step_bytes makes running out here unexpected; with other requests
+            # The bound in _step_need makes running out here unexpected; with other requests
             # left to free pages, recomputing is the remedy. Anything else is the caller's.
             if isinstance(error, ArenaExhausted) and len(batch) > 1:
                 return []
@@ -367,8 +404,8 @@ class Engine:
     def _admit(self) -> None:
         while self._waiting:
             request = self._waiting[0]
-            free = self.arena.bytes_free - self._promised_bytes()
-            if self._request_admission_bytes(request) > free and self._running:
+            need = self._request_admission_need(request) + self._promised_need()
+            if self._running and not self.layout.fits(need, self._held()):
                 return  # FIFO: nobody overtakes the oldest waiting request
             self._waiting.popleft()
             request.cache = self.spec.build(self._config, self.arena, self.prefill_chunk)
@@ -400,8 +437,8 @@ class Engine:
         while True:
             offers = [self._offer(request) for request in self._running]
             batch = fill_batch(self.rule.order(offers, self._step), self.max_batch_tokens)
-            needed = sum(self._step_bytes(work) for work in batch)
-            if needed <= self.arena.bytes_free or len(self._running) <= 1:
+            needed = sum((self._step_need(work) for work in batch), Need())
+            if len(self._running) <= 1 or self.layout.fits(needed, self._held()):
                 return batch
             self._preempt(max(self._running, key=lambda request: request.id))
 
@@ -528,3 +565,12 @@ class Engine:
         request.stats.peak_pages = max(request.stats.peak_pages, int(stats["blocks_allocated"]))
         request.stats.peak_bytes = max(request.stats.peak_bytes, int(stats["peak_bytes_used"]))
         self.state_bytes = max(self.state_bytes, int(stats["bytes_used_state"]))
+
+
+def _state_bytes_of(config: Any, itemsize: int) -> int:
+    """One request's state-page bytes from the config, or 0 when its state shapes are not known
+    here (the engine then learns them from its first request)."""
+    try:
+        return hybrid_geometry(config, itemsize).state_bytes_per_sequence
+    except InvalidArgumentError:
+        return 0
