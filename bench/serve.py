@@ -1,5 +1,8 @@
 """The serving benchmark: many requests on one fixed arena through ``kvstack.serve.Engine``.
 
+Every timed run (an engine configuration, the sequential baseline, transformers' continuous
+batching) is repeated ``REPEATS`` times; its wall time (and p95 TPOT) is the median.
+
 Workload (SmolLM2-135M-Instruct, CPU, float32, one torch thread): ``REQUESTS`` requests whose
 prompt and output lengths come from the shipped ShareGPT-like distribution
 (``kvstack.workloads.draw_trace``, scaled to ``MAX_CONTEXT`` tokens, outputs capped at
@@ -51,7 +54,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +85,7 @@ TRACE_SEED = 0
 # The SLA: a request's time per output token may be at most SLA_FACTOR x that of one request
 # decoding alone on the lossless engine (measured in the same run: the median of SOLO_REPEATS).
 SLA_FACTOR, SOLO_REPEATS = 5.0, 3
+REPEATS = 3  # timed runs of each engine configuration: wall time and p95 TPOT are medians
 # Poisson arrival rates of the SLA sweep, as multiples of the rate at which the lossless engine
 # serves the trace when every request arrives at once; that closed run is the sweep's top rate.
 RATE_FACTORS = (1.0, 2.0)
@@ -558,10 +562,22 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         for _ in range(2):
             run_trace(model, 2 * full_kv_bytes(model, warm) + largest, spec, warm)
 
+    repeats = 1 if quick else REPEATS
+    walls: dict[str, list[float]] = {}
+
     def run(label: str, spec: Any, arena_bytes: int, arrivals: list[float] | None = None):
         log(f"{label}: {len(requests)} requests on a {arena_bytes / 2**20:.1f} MiB arena")
-        runs[label] = run_trace(model, arena_bytes, spec, requests, arrivals=arrivals)
-        r = runs[label]
+        tries = [
+            run_trace(model, arena_bytes, spec, requests, arrivals=arrivals) for _ in range(repeats)
+        ]
+        # The median of the repeats' wall times and p95 TPOTs; the counts are the first run's
+        # (all at once, every repeat makes the same steps; with arrivals they may differ).
+        runs[label] = r = replace(
+            tries[0],
+            wall_seconds=statistics.median(t.wall_seconds for t in tries),
+            tpot_p95_s=statistics.median(t.tpot_p95_s for t in tries),
+        )
+        walls[label] = [t.wall_seconds for t in tries]
         log(
             f"  {r.peak_generating} at most generating, {r.tokens_per_second:.1f} tok/s, "
             f"p95 TPOT {r.tpot_p95_s * 1e3:.0f} ms"
@@ -626,7 +642,9 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
             )
 
     log("transformers continuous batching (ContinuousBatchingManager, paged sdpa)")
-    hf_wall, hf_outputs, hf_cache_bytes = _hf_continuous_batching(model, requests, capacity)
+    hf_tries = [_hf_continuous_batching(model, requests, capacity) for _ in range(repeats)]
+    hf_wall = statistics.median(t[0] for t in hf_tries)
+    _, hf_outputs, hf_cache_bytes = hf_tries[0]
     output_tokens = sum(new for _, new in requests)
     figures["serve.over_hf_continuous_batching"] = Figure(
         full.tokens_per_second / (output_tokens / hf_wall),
@@ -637,7 +655,9 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
     )
 
     log("sequential generate (DynamicCache, sdpa)")
-    sequential_wall, sequential_outputs = _sequential(model, requests)
+    sequential_tries = [_sequential(model, requests) for _ in range(repeats)]
+    sequential_wall = statistics.median(t[0] for t in sequential_tries)
+    sequential_outputs = sequential_tries[0][1]
     batched = run("full_unbounded", specs["full"], 2 * total_kv + largest)
     figures["serve.batched_over_sequential"] = Figure(
         batched.tokens_per_second / (output_tokens / sequential_wall),
@@ -675,6 +695,7 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         "prefill_chunk": PREFILL_CHUNK,
         "block_size": 16,
         "sequential_seconds": sequential_wall,
+        "sequential_seconds_of_repeats": [t[0] for t in sequential_tries],
         "sla": {
             "tpot_p95_max_s": sla_s,
             "factor_of_solo_tpot": SLA_FACTOR,
@@ -685,6 +706,7 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         },
         "hf_continuous_batching": {
             "seconds": hf_wall,
+            "seconds_of_repeats": [t[0] for t in hf_tries],
             "cache_bytes": hf_cache_bytes,
             "page_size": HF_PAGE_SIZE,
             "tokens_equal_sequential": hf_equal / len(requests),
@@ -705,6 +727,7 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
                 "steps": r.steps,
                 "preemptions": r.preemptions,
                 "tpot_p95_s": r.tpot_p95_s,
+                "wall_seconds_of_repeats": walls.get(label, [r.wall_seconds]),
             }
             for label, r in runs.items()
         },

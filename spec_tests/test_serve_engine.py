@@ -179,9 +179,9 @@ def test_a_prefilled_request_keeps_only_its_decode_headroom(model, spec_name):
     probe = engine(model, spec_name, 64 * BLOCK_BYTES)
     first_ids, second_ids = prompt(40, 1), prompt(40, 2)
     if spec_name == "paged":
-        # The first request's 40 prompt tokens and its first output: 3 blocks per layer, and
-        # one more of headroom.
-        kept = probe.geometry.bytes_for(41, extra_blocks_per_table=1)
+        # The first request's 40 prompt tokens and its first output, and 16 tokens of
+        # headroom: 4 blocks per layer.
+        kept = probe.geometry.bytes_for(41 + 16)
     else:
         # Its admission bytes less the one layer's prefill chunk in flight (one block per
         # table: the chunk is 16 tokens), which it no longer needs.
@@ -411,13 +411,8 @@ def test_hybrid_models_serve_each_request_its_solo_tokens(name, spec_name):
     assert serving.arena.bytes_used == 0
 
 
-def test_a_hybrid_on_a_tight_arena_is_preempted_and_keeps_its_tokens():
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    hybrid = AutoModelForCausalLM.from_config(tiny_hybrid_config("jamba")).eval()
-    hybrid.generation_config.eos_token_id = None
-    requests = [(prompt(8 + 3 * i, seed=40 + i, vocab=120), 40) for i in range(4)]
+def dynamic_cache_tokens(hybrid, requests) -> list[list[int]]:
+    """Each request's greedy tokens alone under ``generate`` with ``DynamicCache``."""
     hybrid.set_attn_implementation("eager")
     expected = []
     for ids, n in requests:
@@ -429,15 +424,7 @@ def test_a_hybrid_on_a_tight_arena_is_preempted_and_keeps_its_tokens():
                 max_new_tokens=n,
             )
         expected.append(out[0, len(ids) :].tolist())
-    serving = Engine(hybrid, KVArena("96KiB"), max_batch_tokens=48, prefill_chunk=16)
-    handles = [serving.submit(ids, n) for ids, n in requests]
-    serving.run()
-    assert serving.preemptions > 0 and serving.state_bytes > 0
-    assert [h.output_ids for h in handles] == expected
-    assert serving.arena.bytes_used == 0
-
-
-# ----------------------------------------------------------------- layouts (hybrid models)
+    return expected
 
 
 def _tiny_hybrid(name: str):
@@ -447,6 +434,21 @@ def _tiny_hybrid(name: str):
     hybrid = AutoModelForCausalLM.from_config(tiny_hybrid_config(name)).eval()
     hybrid.generation_config.eos_token_id = None
     return hybrid
+
+
+def test_a_hybrid_on_a_tight_arena_is_preempted_and_keeps_its_tokens():
+    hybrid = _tiny_hybrid("jamba")
+    requests = [(prompt(8 + 3 * i, seed=40 + i, vocab=120), 40) for i in range(4)]
+    expected = dynamic_cache_tokens(hybrid, requests)
+    serving = Engine(hybrid, KVArena("96KiB"), max_batch_tokens=48, prefill_chunk=16)
+    handles = [serving.submit(ids, n) for ids, n in requests]
+    serving.run()
+    assert serving.preemptions > 0 and serving.state_bytes > 0
+    assert [h.output_ids for h in handles] == expected
+    assert serving.arena.bytes_used == 0
+
+
+# ----------------------------------------------------------------- layouts (hybrid models)
 
 
 @pytest.mark.parametrize("name", ["jamba", "qwen3_next"])
@@ -466,17 +468,7 @@ def test_every_layout_serves_hybrid_requests_their_solo_tokens(layout):
 
     hybrid = _tiny_hybrid("jamba")
     requests = [(prompt(6 + 5 * i, seed=70 + i, vocab=120), 12) for i in range(4)]
-    hybrid.set_attn_implementation("eager")
-    expected = []
-    for ids, n in requests:
-        with torch.inference_mode():
-            out = hybrid.generate(
-                torch.tensor([ids]),
-                past_key_values=DynamicCache(config=hybrid.config),
-                do_sample=False,
-                max_new_tokens=n,
-            )
-        expected.append(out[0, len(ids) :].tolist())
+    expected = dynamic_cache_tokens(hybrid, requests)
     # Tight: fixed_dual's state pool then holds two requests' states, and every layout waits or
     # preempts.
     capacity = 56 * 1024
@@ -519,15 +511,16 @@ def test_padded_unified_charges_every_state_page_one_attention_block():
     exact = Engine(hybrid, KVArena("4MiB"))
     block = arena_layouts.vllm_attention_block_size(geometry)
     page = arena_layouts.vllm_page_bytes(geometry)
-    # 40 prompt tokens: two 32-token blocks per attention layer and one of decode headroom;
-    # each state layer's page padded to one attention-layer block.
+    # 40 prompt tokens and 16 of decode headroom: two 32-token blocks per attention layer (a
+    # headroom in tokens, not a whole extra enlarged block); each state layer's page padded to
+    # one attention-layer block.
     assert block == 32
     assert (
         padded.admission_bytes(40)
-        == geometry.attention_layers * 3 * block * (geometry.kv_token_bytes)
+        == geometry.attention_layers * 2 * block * (geometry.kv_token_bytes)
         + geometry.state_layers * page
     )
-    # kvstack: three 16-token blocks, one of headroom, exact state pages.
+    # kvstack: four 16-token blocks for the 56 tokens, exact state pages.
     assert (
         exact.admission_bytes(40)
         == geometry.attention_layers * 4 * 16 * (geometry.kv_token_bytes)

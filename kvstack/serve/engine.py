@@ -19,8 +19,8 @@ A step, in order:
 
 1. **Admission**, FIFO: the oldest waiting request starts when the arena's free bytes, less
    what running requests were promised (the rest of their admission bytes while they prefill;
-   then one block per table of decode headroom, or for an evicting cache its tables at their
-   budget), hold its ``admission_bytes``. Nobody overtakes it.
+   then room for ``DECODE_HEADROOM_TOKENS`` more tokens, or for an evicting cache its tables at
+   their budget), hold its ``admission_bytes``. Nobody overtakes it.
 2. **Batch**: each running request offers its next work (``scheduler.Work``); the
    ``BatchRule`` orders the offers and the step takes them within ``max_batch_tokens``.
 3. **Pages**: the step's work must fit the free pages; while it does not, the newest running
@@ -69,6 +69,10 @@ from kvstack.serve.scheduler import BatchRule, PageAwareRule, Work, fill_batch
 
 SERVE_ATTENTION = "kvstack_serve"
 DEFAULT_MAX_BATCH_TOKENS = 512
+# Decode headroom of a cache that keeps every block: room for this many more tokens beyond its
+# prompt (or its tokens so far). In tokens, not blocks, so that a layout with enlarged blocks
+# (vLLM's padded_unified) is not charged a whole extra block; with 16-token blocks it is one.
+DECODE_HEADROOM_TOKENS = 16
 DEFAULT_PREFILL_CHUNK = 256
 
 
@@ -276,8 +280,8 @@ class Engine:
 
     # ------------------------------------------------------------------ memory
     def admission_bytes(self, prompt_tokens: int) -> int:
-        """Arena bytes a request must find free to start: its prompt and one block per table of
-        decode headroom (lossless, or Naive-Evict, whose blocks never shrink), or for an
+        """Arena bytes a request must find free to start: its prompt and room for
+        ``DECODE_HEADROOM_TOKENS`` more tokens (lossless, or Naive-Evict, whose blocks never shrink), or for an
         evicting cache its budget with decode slack plus one prefill chunk in flight; and its
         state pages (hybrids), as the layout charges them."""
         return self.layout.charged(self._admission_need(prompt_tokens))
@@ -301,7 +305,7 @@ class Engine:
             tables = self.geometry.tables
             blocks = self._probe.blocks_to_reserve(tables, prompt_tokens)
             return Need(blocks * self.geometry.block_bytes, self.state_bytes)
-        kv = self.geometry.bytes_for(prompt_tokens, extra_blocks_per_table=1)
+        kv = self.geometry.bytes_for(prompt_tokens + DECODE_HEADROOM_TOKENS)
         return Need(kv, self.state_bytes)
 
     def _lifetime_need(self, prompt_tokens: int, max_new_tokens: int) -> Need:
@@ -318,8 +322,8 @@ class Engine:
 
     def _kept_need(self, request: Request) -> Need:
         """The arena bytes the engine keeps for a running request: its admission bytes until
-        its prompt is in; then, for a cache that keeps every block, what it holds plus one
-        block per table of decode headroom (the admission bytes of its tokens so far), and for
+        its prompt is in; then, for a cache that keeps every block, room for its tokens so far
+        and ``DECODE_HEADROOM_TOKENS`` more (the admission bytes of its tokens so far), and for
         an evicting cache its tables at their budget with their decode slack (its admission
         bytes less the prefill chunk in flight, which it no longer needs)."""
         prompt = len(request.prompt_ids)
