@@ -16,7 +16,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from kvstack.arena import KVArena
 from kvstack.errors import InvalidArgumentError
 from kvstack.hf import TokenTableCache
-from kvstack.models import tiny_hybrid_config
+from kvstack.models import TINY_HYBRIDS, tiny_hybrid_config
 from kvstack.policies import H2O, SnapKV
 from kvstack.serve import CacheSpec, Engine, Sampling
 
@@ -376,7 +376,7 @@ def test_bad_arguments_are_refused(model):
     assert not serving.has_work()
 
 
-@pytest.mark.parametrize("name", ["jamba", "qwen3_next", "lfm2"])
+@pytest.mark.parametrize("name", TINY_HYBRIDS)
 @pytest.mark.parametrize("spec_name", ["paged", "h2o"])
 def test_hybrid_models_serve_each_request_its_solo_tokens(name, spec_name):
     from transformers import AutoModelForCausalLM
@@ -405,10 +405,21 @@ def test_hybrid_models_serve_each_request_its_solo_tokens(name, spec_name):
         hybrid, KVArena("4MiB"), cache=SPECS[spec_name], max_batch_tokens=48, prefill_chunk=16
     )
     assert serving.hybrid
+    decode_batches = []
+    forward_decodes = serving._forward_decodes
+
+    def counted(requests):
+        decode_batches.append(len(requests))
+        return forward_decodes(requests)
+
+    serving._forward_decodes = counted
     handles = [serving.submit(ids, n) for ids, n in requests]
     serving.run()
     assert [h.output_ids for h in handles] == expected
     assert serving.arena.bytes_used == 0
+    # Decode tokens of the three requests share one forward pass (their states gathered into
+    # one batch), except on FalconH1, whose layers are attention and state at once.
+    assert (max(decode_batches, default=0) == 3) is (name != "falcon_h1")
 
 
 def dynamic_cache_tokens(hybrid, requests) -> list[list[int]]:

@@ -43,8 +43,8 @@ def serve_attention(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Query [1, H_q, T, D] and key/value [1, H_kv, T, D] of a packed step; returns
-    [1, T, H_q, D]. The step's segments arrive as the forward's keyword argument
+    """Query [1, H_q, T, D] and key/value [1, H_kv, T, D] of a packed step (or [R, H, 1, D], one
+    decode row per request, for hybrid models); returns [1, T, H_q, D] (or [R, 1, H_q, D]). The step's segments arrive as the forward's keyword argument
     ``kvstack_segments`` (transformers hands a model call's extra keyword arguments to every
     attention call); without them this is the kvstack attention."""
     segments = kwargs.pop(SEGMENTS_KWARG, None)
@@ -56,23 +56,29 @@ def serve_attention(
     outs: list[torch.Tensor | None] = [None] * len(segments)
     decodes: list[tuple[int, Any]] = []  # (segment index, its cache layer)
     for index, segment in enumerate(segments):
-        s, e = segment.start, segment.end
-        k, v = segment.cache.update(key[:, :, s:e], value[:, :, s:e], module.layer_idx)
+        r, s, e = segment.row, segment.start, segment.end
+        k, v = segment.cache.update(
+            key[r : r + 1, :, s:e], value[r : r + 1, :, s:e], module.layer_idx
+        )
         layer = kv_attention.STEP.layer
         if batchable and e - s == 1 and _decodes_alone(layer, k):
             kv_attention.STEP.layer, kv_attention.STEP.key = None, None  # attended below
             decodes.append((index, layer))
             continue
         outs[index], _ = kvstack_attention(
-            module, query[:, :, s:e], k, v, None, scaling, **kwargs
+            module, query[r : r + 1, :, s:e], k, v, None, scaling, **kwargs
         )  # [1, e - s, H_q, D]
     if decodes:
-        queries = [query[:, :, segments[i].start : segments[i].end] for i, _ in decodes]
+        queries = [
+            query[segments[i].row : segments[i].row + 1, :, segments[i].start : segments[i].end]
+            for i, _ in decodes
+        ]
         for (index, _), out in zip(
             decodes, attend_decodes([layer for _, layer in decodes], queries, scaling), strict=True
         ):
             outs[index] = out
-    return torch.cat(outs, dim=1), None
+    # A packed step: [1, T, H_q, D]; a batch of one decode row per request: [R, 1, H_q, D].
+    return torch.cat(outs, dim=0 if query.shape[0] > 1 else 1), None
 
 
 def _decodes_alone(layer: Any, key: torch.Tensor) -> bool:

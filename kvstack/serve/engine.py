@@ -33,9 +33,12 @@ A step, in order:
    its pages.
 
 Hybrid models (recurrent state layers beside attention) would run those layers across request
-boundaries in a packed row, so their steps run one forward pass per request instead (each
-request's states in its cache's arena state pages), prefilling the whole prompt at once; a
-request whose pages run out mid-forward is preempted and recomputed.
+boundaries in a packed row. Their prefill work runs one forward pass per request (the whole
+prompt at once, each request's states in its cache's arena state pages); their decode tokens
+run in one forward pass with one batch row per request, each state layer holding the requests'
+states stacked (gathered from their pages, written back after). FalconH1, whose layers are
+attention and states at once, decodes one request per forward pass. A request whose pages run
+out mid-forward is preempted and recomputed.
 """
 
 from __future__ import annotations
@@ -48,11 +51,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache
+from transformers import DynamicCache
+from transformers.cache_utils import Cache, LinearAttentionLayer
 
 from kvstack.arena import KVArena
 from kvstack.errors import ArenaExhausted, InvalidArgumentError
-from kvstack.hf import ATTENTION_NAME, PagedLayer
+from kvstack.hf import ATTENTION_NAME
+from kvstack.hf.state_layers import is_state_layer
 from kvstack.reference.checks import check_positive_int
 from kvstack.serve.attention import SEGMENTS_KWARG, serve_attention
 from kvstack.serve.cache_spec import CacheGeometry, CacheSpec, cache_config
@@ -83,6 +88,7 @@ class _Segment:
     cache: Any
     start: int
     end: int
+    row: int = 0  # the batch row: 0 in a packed step; the request's row in a hybrid decode
 
 
 def register() -> None:
@@ -165,7 +171,13 @@ class Engine:
         probe = spec.build(self._config, arena, prefill_chunk)
         # A hybrid model's recurrent layers would run across request boundaries in a packed
         # row: each of its requests gets its own forward pass in a step instead.
-        self.hybrid = any(not isinstance(layer, PagedLayer) for layer in probe.layers)
+        template = DynamicCache(config=model.config).layers  # transformers' layer per index
+        self.hybrid = any(is_state_layer(layer) for layer in template)
+        # Its decode tokens can share one forward pass when each state layer is a plain
+        # recurrent-state layer (not FalconH1's, which are attention and states at once).
+        self._batched_decode = self.hybrid and all(
+            type(layer) is LinearAttentionLayer for layer in template if is_state_layer(layer)
+        )
         self._probe = probe
         # Arena bytes of one request's recurrent-state pages (hybrids): exact sizes, the same for
         # every request of a model; from the config where the model's state shapes are known
@@ -504,43 +516,92 @@ class Engine:
         return rows
 
     def _forward_each(self, batch: list[Work]) -> list[torch.Tensor | None]:
-        """Hybrid models: one forward pass per request, through its own cache; a request whose
-        pages run out is preempted (its row None) unless it is the only one running."""
+        """Hybrid models: prefill work one forward pass per request, through its own cache; then
+        every decode token in one forward pass of a batch of one row per request, each row's
+        states gathered from its cache's pages and written back after (``_forward_decodes``). A
+        request whose pages run out is preempted (its row None) unless it is the only one
+        running."""
+        rows: list[torch.Tensor | None] = [None] * len(batch)
+        decodes = [i for i, work in enumerate(batch) if self._decodes_in_a_batch(work)]
+        for index, work in enumerate(batch):
+            if index not in decodes:
+                rows[index] = self._forward_alone(work)
+        decoding = [i for i in decodes if batch[i].request.cache is not None]  # not preempted
+        if len(decoding) == 1:
+            rows[decoding[0]] = self._forward_alone(batch[decoding[0]])
+        elif decoding:
+            logits = self._forward_decodes([batch[i].request for i in decoding])
+            for index, row in zip(decoding, logits, strict=True):
+                rows[index] = row
+        return rows
+
+    def _decodes_in_a_batch(self, work: Work) -> bool:
+        """Whether ``work`` is one decode token of a request whose states exist (its prefill
+        is done) on a model whose state layers the batched decode can gather."""
+        return (
+            self._batched_decode
+            and work.tokens == 1
+            and work.request.computed > 0
+            and work.request.cache is not None
+        )
+
+    def _forward_alone(self, work: Work) -> torch.Tensor | None:
+        """One request's work through its own cache (the kvstack attention)."""
         if self.model.config._attn_implementation != ATTENTION_NAME:
             self.model.set_attn_implementation(ATTENTION_NAME)
         device = self.arena.device
-        rows: list[torch.Tensor | None] = []
-        for work in batch:
-            request = work.request
-            if request.cache is None:  # preempted earlier in this step to free pages
-                rows.append(None)
-                continue
-            first = request.computed
-            inputs = {
-                "input_ids": torch.tensor(
-                    [request.tokens[first : first + work.tokens]], device=device
-                ),
-                "position_ids": torch.arange(first, first + work.tokens, device=device)[None],
-                self._cache_kwarg: request.cache,
-                "use_cache": True,
-                "logits_to_keep": 1,
-            }
-            try:
-                with torch.inference_mode():
-                    logits = self.model(**inputs).logits[0, -1]  # [vocab]
-            except ArenaExhausted:
-                if len(self._running) == 1:
-                    raise
-                # This request's cache may hold part of the step: it recomputes, and the
-                # newest running request gives its pages back too, so the oldest progress.
-                self._preempt(request)
-                newest = max(self._running, key=lambda r: r.id)
-                if newest.id > request.id:
-                    self._preempt(newest)
-                rows.append(None)
-                continue
-            rows.append(logits if first + work.tokens == len(request.tokens) else None)
-        return rows
+        request = work.request
+        if request.cache is None:  # preempted earlier in this step to free pages
+            return None
+        first = request.computed
+        inputs = {
+            "input_ids": torch.tensor([request.tokens[first : first + work.tokens]], device=device),
+            "position_ids": torch.arange(first, first + work.tokens, device=device)[None],
+            self._cache_kwarg: request.cache,
+            "use_cache": True,
+            "logits_to_keep": 1,
+        }
+        try:
+            with torch.inference_mode():
+                logits = self.model(**inputs).logits[0, -1]  # [vocab]
+        except ArenaExhausted:
+            if len(self._running) == 1:
+                raise
+            # This request's cache may hold part of the step: it recomputes, and the newest
+            # running request gives its pages back too, so the oldest progress.
+            self._preempt(request)
+            newest = max(self._running, key=lambda r: r.id)
+            if newest.id > request.id:
+                self._preempt(newest)
+            return None
+        return logits if first + work.tokens == len(request.tokens) else None
+
+    def _forward_decodes(self, requests: list[Request]) -> list[torch.Tensor]:
+        """One decode token of each request in one forward pass: input [R, 1], row r request
+        r's newest token at its own position. Attention goes through ``serve_attention`` (row r
+        to request r's cache); each state layer is transformers' own ``LinearAttentionLayer``
+        holding the requests' states stacked [R, ...], copied back into their pages after."""
+        device = self.arena.device
+        step = _StepCache()
+        step.layers = DynamicCache(config=self.model.config).layers
+        gathered = [index for index, layer in enumerate(step.layers) if is_state_layer(layer)]
+        for index in gathered:
+            _gather_states(step.layers[index], [r.cache.layers[index] for r in requests])
+        inputs = {
+            "input_ids": torch.tensor([[r.tokens[r.computed]] for r in requests], device=device),
+            "position_ids": torch.tensor([[r.computed] for r in requests], device=device),
+            self._cache_kwarg: step,
+            "use_cache": True,
+            "logits_to_keep": 1,
+            SEGMENTS_KWARG: [_Segment(r.cache, 0, 1, row) for row, r in enumerate(requests)],
+        }
+        if self.model.config._attn_implementation != SERVE_ATTENTION:
+            self.model.set_attn_implementation(SERVE_ATTENTION)
+        with torch.inference_mode():
+            logits = self.model(**inputs).logits[:, -1]  # [R, vocab]
+            for index in gathered:
+                _scatter_states(step.layers[index], [r.cache.layers[index] for r in requests])
+        return list(logits)
 
     def _after_token(self, request: Request, token: int) -> None:
         stats = request.stats
@@ -578,3 +639,37 @@ def _state_bytes_of(config: Any, itemsize: int) -> int:
         return hybrid_geometry(config, itemsize).state_bytes_per_sequence
     except InvalidArgumentError:
         return 0
+
+
+_STATE_DICTS = ("conv_states", "recurrent_states")
+_STATE_FLAGS = (
+    "conv_kernel_size",
+    "is_conv_states_initialized",
+    "is_recurrent_states_initialized",
+    "has_previous_state",
+)
+
+
+def _gather_states(step_layer: Any, own: list[Any]) -> None:
+    """Give transformers' ``step_layer`` the states of every request's layer ``own`` (one
+    row each, in arena pages) stacked into [R, ...] tensors, and the first one's flags (every
+    request here has decoded before: the same flags)."""
+    first = own[0]
+    for name in _STATE_DICTS:
+        for state_idx, state in getattr(first, name).items():
+            if state is not None:  # [1, ...] each -> [R, ...]
+                getattr(step_layer, name)[state_idx] = torch.cat(
+                    [getattr(layer, name)[state_idx] for layer in own]
+                )
+    for name in _STATE_FLAGS:
+        getattr(step_layer, name).update(getattr(first, name))
+    step_layer.dtype, step_layer.device = first.dtype, first.device
+
+
+def _scatter_states(step_layer: Any, own: list[Any]) -> None:
+    """Copy row r of ``step_layer``'s updated states back into request r's pages."""
+    for name in _STATE_DICTS:
+        for state_idx, state in getattr(step_layer, name).items():
+            if state is not None:
+                for row, layer in enumerate(own):
+                    getattr(layer, name)[state_idx].copy_(state[row : row + 1])
