@@ -84,11 +84,13 @@ MAX_BATCH_TOKENS, PREFILL_CHUNK = 512, 128
 TRACE_SEED = 0
 # The SLA: a request's time per output token may be at most SLA_FACTOR x that of one request
 # decoding alone on the lossless engine (measured in the same run: the median of SOLO_REPEATS).
-SLA_FACTOR, SOLO_REPEATS = 5.0, 3
+# 3x: a first run at 5x was met by every run of the sweep, which made the SLA figures copies of
+# the throughput ratios; at 3x the larger batches of the reclaiming caches are held to account.
+SLA_FACTOR, SOLO_REPEATS = 3.0, 3
 REPEATS = 3  # timed runs of each engine configuration: wall time and p95 TPOT are medians
 # Poisson arrival rates of the SLA sweep, as multiples of the rate at which the lossless engine
 # serves the trace when every request arrives at once; that closed run is the sweep's top rate.
-RATE_FACTORS = (1.0, 2.0)
+RATE_FACTORS = (0.5, 1.0, 2.0)
 QUICK_RATE_FACTORS = (2.0,)
 HF_PAGE_SIZE = 16  # tokens per block of transformers' paged cache: kvstack's block size
 
