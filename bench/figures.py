@@ -12,7 +12,8 @@ and nowhere else. ``kvstack figures`` rewrites those blocks from ``bench/results
 * a block differs from what its results file gives (a figure typed or edited by hand);
 * a results file is stale: a path it depends on (the suite's ``DEPENDS_ON``) differs between
   the commit it was measured at and the working tree, or it was measured on a dirty tree, or
-  it is a quick run, or its commit is not in this repository;
+  it is a quick run, or its commit is not in this repository. CUDA sources (``.cu``, ``.cuh``)
+  do not count for results measured without a GPU, which never compiled or ran them;
 * a README block names a suite without a results file, or the README, outside the blocks and
   code, holds something that reads like a measured figure (a number with a unit such as
   ``%``, ``x``, ``ms``, ``MiB``, ``tok/s``).
@@ -31,6 +32,7 @@ from kvstack.bench.suite import (
     RESULTS_DIR,
     SUITES,
     changed_since,
+    could_affect,
     git,
     machine_line,
 )
@@ -100,7 +102,7 @@ def stale(name: str, results: dict) -> list[str]:
             f"{', '.join(results['dirty_dependencies'])}"
         )
     depends_on = sorted(set(results["depends_on"]) | set(suite_module(name).DEPENDS_ON))
-    changed = changed_since(commit, depends_on)
+    changed = could_affect(changed_since(commit, depends_on), results.get("machine", {}))
     if changed:
         problems.append(
             f"{where} is stale: measured at {commit[:10]}, and these files it depends on "

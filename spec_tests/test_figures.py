@@ -197,3 +197,30 @@ def test_a_dependency_changed_during_a_run_is_recorded(tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["dirty_dependencies"] == ["bench/_probe_changed_during_run.txt"]
     assert any("uncommitted changes to" in p for p in figures.stale("core", results))
+
+
+@pytest.mark.parametrize("gpu, stale", [(None, False), ("NVIDIA H200", True)])
+def test_cuda_sources_stale_only_results_measured_with_a_gpu(gpu, stale):
+    # An untracked CUDA source under a dependency: a CPU run never compiled or ran it.
+    probe = REPO_ROOT / "cuda_kernels" / "_probe_stale.cu"
+    results = _results(_git("rev-parse", "HEAD"))
+    results["depends_on"] = ["cuda_kernels/_probe_stale.cu"]
+    results["machine"] = {**results["machine"], "gpu": gpu}
+    probe.write_text("// a kernel changed after the run\n")
+    try:
+        problems = figures.stale("core", results)
+    finally:
+        probe.unlink()
+    assert any("_probe_stale.cu" in p for p in problems) is stale, problems
+
+
+def test_a_cpu_source_stales_results_measured_without_a_gpu():
+    probe = REPO_ROOT / "cuda_kernels" / "_probe_stale.cpp"  # a CPU C++ kernel runs on CPUs
+    results = _results(_git("rev-parse", "HEAD"))
+    results["depends_on"] = ["cuda_kernels/_probe_stale.cpp"]
+    probe.write_text("// a CPU kernel changed after the run\n")
+    try:
+        problems = figures.stale("core", results)
+    finally:
+        probe.unlink()
+    assert any("_probe_stale.cpp" in p for p in problems), problems
