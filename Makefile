@@ -13,7 +13,7 @@ OLDEST := $(VENV)/transformers-$(TRANSFORMERS_OLDEST)
 HF_TESTS := spec_tests/test_hf_paged.py spec_tests/test_hf_token_table_cache.py \
 	spec_tests/test_hf_smollm2.py spec_tests/test_hf_hybrid.py spec_tests/test_serve_engine.py
 
-.PHONY: install demo test bench figures lint clean
+.PHONY: install demo test bench figures lint clean cuda-check
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,32 @@ bench: install
 
 figures: install
 	$(BIN)/kvstack figures
+
+# Compile every CUDA kernel (cuda_kernels/*.cu) for Hopper (sm_90) with nvcc, on a machine with
+# or without a GPU, so that compile errors show before a GPU run. The CPU torch of .venv has no
+# CUDA headers: they come from the CUDA build of torch 2.14.1 (its wheel's torch/include only,
+# unpacked under build/, nothing installed). Objects only: linking and loading happen on a GPU
+# machine, where cuda_kernels builds the extension with its own torch.
+NVCC ?= nvcc
+CUDA_CHECK := build/cuda-check
+CUDA_TORCH := torch==2.14.1
+CUDA_INCLUDE := $(CUDA_CHECK)/torch/include
+NVCC_FLAGS := -std=c++20 -gencode arch=compute_90,code=sm_90 --expt-relaxed-constexpr \
+	-D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__ \
+	-D__CUDA_NO_HALF2_OPERATORS__ -D_GLIBCXX_USE_CXX11_ABI=1 -Xcompiler -fPIC \
+	-I$(CUDA_INCLUDE) -I$(CUDA_INCLUDE)/torch/csrc/api/include
+
+$(CUDA_CHECK)/.headers:
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: $(CUDA_TORCH) -d $(CUDA_CHECK)/wheel
+	$(PYTHON) -c "import glob, zipfile; w = zipfile.ZipFile(glob.glob('$(CUDA_CHECK)/wheel/torch-*.whl')[0]); \
+		w.extractall('$(CUDA_CHECK)', [n for n in w.namelist() if n.startswith('torch/include/')])"
+	touch $@
+
+cuda-check: $(CUDA_CHECK)/.headers
+	@for source in cuda_kernels/*.cu; do \
+		echo "nvcc $$source"; \
+		$(NVCC) $(NVCC_FLAGS) -c $$source -o $(CUDA_CHECK)/$$(basename $$source .cu).o || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) bench_results

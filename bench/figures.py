@@ -96,11 +96,11 @@ def stale(name: str, results: dict) -> list[str]:
     commit = results.get("commit")
     if not commit or git("cat-file", "-e", f"{commit}^{{commit}}") is None:
         return [*problems, f"{where}: its commit {commit!r} is not in this repository"]
-    if results.get("dirty_dependencies"):
-        problems.append(
-            f"{where} was measured with uncommitted changes to "
-            f"{', '.join(results['dirty_dependencies'])}"
-        )
+    # The same rule as for later changes: a file the run could not have executed (a CUDA source,
+    # for a run without a GPU) does not make it untrustworthy, whenever it changed.
+    dirty = could_affect(results.get("dirty_dependencies", []), results.get("machine", {}))
+    if dirty:
+        problems.append(f"{where} was measured with uncommitted changes to {', '.join(dirty)}")
     depends_on = sorted(set(results["depends_on"]) | set(suite_module(name).DEPENDS_ON))
     changed = could_affect(changed_since(commit, depends_on), results.get("machine", {}))
     if changed:

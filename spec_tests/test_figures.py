@@ -224,3 +224,11 @@ def test_a_cpu_source_stales_results_measured_without_a_gpu():
     finally:
         probe.unlink()
     assert any("_probe_stale.cpp" in p for p in problems), problems
+
+
+def test_a_cuda_source_changed_during_a_cpu_run_does_not_stale_it():
+    results = _results(_git("rev-parse", "HEAD"))
+    results["dirty_dependencies"] = ["cuda_kernels/paged_attention.cu"]
+    assert not any("uncommitted changes" in p for p in figures.stale("core", results))
+    results["machine"] = {**results["machine"], "gpu": "NVIDIA H200"}
+    assert any("uncommitted changes" in p for p in figures.stale("core", results))
