@@ -13,7 +13,7 @@ OLDEST := $(VENV)/transformers-$(TRANSFORMERS_OLDEST)
 HF_TESTS := spec_tests/test_hf_paged.py spec_tests/test_hf_token_table_cache.py \
 	spec_tests/test_hf_smollm2.py spec_tests/test_hf_hybrid.py spec_tests/test_serve_engine.py
 
-.PHONY: install demo test bench figures lint clean cuda-check
+.PHONY: install demo test bench figures lint clean cuda-check gpu-check
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -86,6 +86,14 @@ cuda-check: $(CUDA_CHECK)/.headers
 		echo "nvcc $$source"; \
 		$(NVCC) $(NVCC_FLAGS) -c $$source -o $(CUDA_CHECK)/$$(basename $$source .cu).o || exit 1; \
 	done
+
+# On a machine with a CUDA device and its own torch (nothing installed from outside): the
+# project without its dependencies, then every test marked gpu (the CUDA kernels against the
+# reference, the Hugging Face caches on the device).
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(GPU_PYTHON) -m pytest spec_tests -q -m gpu
 
 clean:
 	rm -rf $(VENV) bench_results
