@@ -107,20 +107,17 @@ def provenance(depends_on: Sequence[str]) -> dict[str, Any]:
     status = git("status", "--porcelain", "--untracked-files=no")
     dirty_deps = git("status", "--porcelain", "--untracked-files=all", "--", *depends_on)
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    machine = {
-        "cpu": cpu_name(),
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "gpu": gpu,
-        "platform": platform.platform(),
-    }
     return {
         "commit": git("rev-parse", "HEAD"),
         "dirty": bool(status),
-        "dirty_dependencies": could_affect(
-            [line[3:] for line in (dirty_deps or "").splitlines()], machine
-        ),
-        "machine": machine,
+        "dirty_dependencies": sorted(line[3:] for line in (dirty_deps or "").splitlines()),
+        "machine": {
+            "cpu": cpu_name(),
+            "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "gpu": gpu,
+            "platform": platform.platform(),
+        },
         "versions": {
             "python": platform.python_version(),
             "torch": torch.__version__,
@@ -136,7 +133,8 @@ CUDA_ONLY_SUFFIXES = (".cu", ".cuh")
 
 def could_affect(paths: Sequence[str], machine: Mapping[str, Any]) -> list[str]:
     """Those of ``paths`` whose code a run on ``machine`` (a results file's ``machine``) could
-    have executed: all of them with a GPU; without one, all but CUDA sources."""
+    have executed: all of them with a GPU; without one, all but CUDA sources. Results files
+    record every dirty path; ``kvstack figures --check`` applies this rule when it judges them."""
     if machine.get("gpu"):
         return sorted(paths)
     return sorted(path for path in paths if not path.endswith(CUDA_ONLY_SUFFIXES))
@@ -202,8 +200,9 @@ def run_suite(
     record = provenance(depends_on)
     measured = measure(quick, log)
     wall_seconds = time.perf_counter() - started
-    changed = could_affect(changed_since(record["commit"], depends_on), record["machine"])
-    record["dirty_dependencies"] = sorted(set(record["dirty_dependencies"]) | set(changed))
+    record["dirty_dependencies"] = sorted(
+        set(record["dirty_dependencies"]) | set(changed_since(record["commit"], depends_on))
+    )
     results = {
         "suite": name,
         "quick": quick,
