@@ -1,7 +1,10 @@
 """The serving benchmark: many requests on one fixed arena through ``kvstack.serve.Engine``.
 
 Every timed run (an engine configuration, the sequential baseline, transformers' continuous
-batching) is repeated ``REPEATS`` times; its wall time (and p95 TPOT) is the median.
+batching) is repeated ``REPEATS`` times; its wall time (and p95 TPOT) is the median. The two
+baselines' repeats alternate with those of the engine run each is compared with, so that a
+drift in the shared machine's speed reaches both sides of a ratio alike (run one after the
+other, the sides were measured up to 40 minutes apart).
 
 Workload (SmolLM2-135M-Instruct, CPU, float32, one torch thread): ``REQUESTS`` requests whose
 prompt and output lengths come from the shipped ShareGPT-like distribution
@@ -574,11 +577,22 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
     repeats = 1 if quick else REPEATS
     walls: dict[str, list[float]] = {}
 
-    def run(label: str, spec: Any, arena_bytes: int, arrivals: list[float] | None = None):
+    def run(
+        label: str,
+        spec: Any,
+        arena_bytes: int,
+        arrivals: list[float] | None = None,
+        between: Callable[[], Any] | None = None,
+    ):
+        """The engine's repeats of one configuration; ``between``, when given, runs after each
+        repeat (the baseline it is compared with: its repeats alternate with these, so a drift
+        in the shared machine's speed over the run reaches both sides alike)."""
         log(f"{label}: {len(requests)} requests on a {arena_bytes / 2**20:.1f} MiB arena")
-        tries = [
-            run_trace(model, arena_bytes, spec, requests, arrivals=arrivals) for _ in range(repeats)
-        ]
+        tries = []
+        for _ in range(repeats):
+            tries.append(run_trace(model, arena_bytes, spec, requests, arrivals=arrivals))
+            if between is not None:
+                between()
         # The median of the repeats' wall times and p95 TPOTs; the counts are the first run's
         # (all at once, every repeat makes the same steps; with arrivals they may differ).
         runs[label] = r = replace(
@@ -593,7 +607,15 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         )
         return r
 
-    full = run("full", specs["full"], capacity)
+    # transformers' continuous batching, the lossless engine's baseline on the same arena bytes:
+    # its repeats alternate with the engine's.
+    hf_tries: list[tuple[float, list[list[int]], int]] = []
+
+    def hf_repeat() -> None:
+        log("  transformers continuous batching (ContinuousBatchingManager, paged sdpa)")
+        hf_tries.append(_hf_continuous_batching(model, requests, capacity))
+
+    full = run("full", specs["full"], capacity, between=hf_repeat)
     closed = {"full": full}
     for policy in POLICIES:
         closed[policy] = run(policy, specs[policy], capacity)
@@ -650,8 +672,6 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
                 f"and all at once, TokenTableCache({policy}, ratio={RATIO:g}) ÷ {what}",
             )
 
-    log("transformers continuous batching (ContinuousBatchingManager, paged sdpa)")
-    hf_tries = [_hf_continuous_batching(model, requests, capacity) for _ in range(repeats)]
     hf_wall = statistics.median(t[0] for t in hf_tries)
     _, hf_outputs, hf_cache_bytes = hf_tries[0]
     output_tokens = sum(new for _, new in requests)
@@ -663,11 +683,17 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         (">=", 1.0),
     )
 
-    log("sequential generate (DynamicCache, sdpa)")
-    sequential_tries = [_sequential(model, requests) for _ in range(repeats)]
+    sequential_tries: list[tuple[float, list]] = []
+
+    def sequential_repeat() -> None:
+        log("  sequential generate (DynamicCache, sdpa)")
+        sequential_tries.append(_sequential(model, requests))
+
+    batched = run(
+        "full_unbounded", specs["full"], 2 * total_kv + largest, between=sequential_repeat
+    )
     sequential_wall = statistics.median(t[0] for t in sequential_tries)
     sequential_outputs = sequential_tries[0][1]
-    batched = run("full_unbounded", specs["full"], 2 * total_kv + largest)
     figures["serve.batched_over_sequential"] = Figure(
         batched.tokens_per_second / (output_tokens / sequential_wall),
         "ratio",

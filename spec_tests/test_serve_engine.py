@@ -171,6 +171,33 @@ def test_a_decode_step_attends_every_request_in_one_call_per_layer(model, spec_n
     assert [h.output_ids for h in handles] == [solo(model, spec_name, i, n) for i, n in requests]
 
 
+@pytest.mark.parametrize("spec_name", sorted(SPECS))
+def test_decode_rows_split_into_pieces_give_each_request_its_solo_tokens(
+    model, spec_name, monkeypatch
+):
+    # Pieces of 8 keys, split whenever the layers allow it (those observing weights never do):
+    # ragged tables of 20 to 40 tokens become 3 to 5 pieces each, merged by log-sum-exp.
+    import kvstack.serve.attention as serve_attention
+
+    monkeypatch.setattr(serve_attention, "DECODE_PIECE", 8)
+    monkeypatch.setattr(serve_attention, "MIN_PIECE_SAVING", 0.0)
+    split = []
+    real_split = serve_attention.attend_in_pieces
+
+    def counted(*args, **kwargs):
+        split.append(1)
+        return real_split(*args, **kwargs)
+
+    monkeypatch.setattr(serve_attention, "attend_in_pieces", counted)
+    requests = [(prompt(20 + 7 * i, 80 + i), 6) for i in range(3)]
+    serving = engine(model, spec_name, 64 * BLOCK_BYTES, max_batch_tokens=64)
+    handles = [serving.submit(ids, n) for ids, n in requests]
+    serving.run()
+    assert [h.output_ids for h in handles] == [solo(model, spec_name, i, n) for i, n in requests]
+    # H2O and SnapKV observe the weights of every decode step: their rows stay whole.
+    assert bool(split) is (not SPECS[spec_name].evicting)
+
+
 @pytest.mark.parametrize("spec_name", ["paged", "h2o"])
 def test_a_prefilled_request_keeps_only_its_decode_headroom(model, spec_name):
     # Once its prompt is in, a running request is promised one block per table of decode

@@ -12,6 +12,13 @@ request's token tables, exactly as under ``generate``). Then:
   Each row's query position is its newest token, so every live token of its table is visible,
   as in the single-request dense decode. Weights, for policies that observe them, are cut back
   to each request's own columns before its layer sees them.
+
+  Ragged rows padded to the widest would compute every row at the longest request's length
+  (with ShareGPT's lengths, 2 to 3 times the keys there are). So when no layer wants weights,
+  each row's keys are cut into pieces of ``DECODE_PIECE`` keys, the pieces are the rows of the
+  one call, and each row's pieces are merged by their log-sum-exp: split-K across requests
+  (FlashDecoding's split, with ``kvstack.reference.merge``'s rule). The call then computes at
+  most a piece of padding per row. Only the order of the floating-point sums differs.
 * **prefill work**, and any layer the batch cannot take (a sliding window, a prefill the cache
   holds back in chunks, pools of another geometry): ``kvstack_attention`` per request, as before.
 
@@ -21,6 +28,8 @@ does not depend on which others share its step (the batched kernel attends each 
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,9 +37,17 @@ import torch
 from kvstack import ops
 from kvstack.hf import attention as kv_attention
 from kvstack.hf import kvstack_attention
+from kvstack.reference.attention import AttentionOutput
 
 SEGMENTS_KWARG = "kvstack_segments"  # the step's segments, passed through the model call
 UNSUPPORTED = ("softcap", "s_aux", "sinks")  # kvstack_attention refuses these; it says why
+# Keys per piece of a split decode row (``attend_decodes``): a multiple of the compiled kernel's
+# 64-key chunk, so a piece adds no padding of its own there.
+DECODE_PIECE = 128
+# Split the rows only when that cuts the keys the call computes by at least this fraction: the
+# merge costs a few small ops, which rows of alike lengths (evicting caches at their budget) would
+# pay for nothing.
+MIN_PIECE_SAVING = 0.25
 
 
 def serve_attention(
@@ -93,11 +110,16 @@ def _decodes_alone(layer: Any, key: torch.Tensor) -> bool:
 
 
 def attend_decodes(
-    layers: list[Any], queries: list[torch.Tensor], scaling: float | None
+    layers: list[Any],
+    queries: list[torch.Tensor],
+    scaling: float | None,
+    piece: int | None = None,
 ) -> list[torch.Tensor]:
     """Decode attention of several requests' layers (each just stored one token) in as few
     ``paged_attention`` calls as there are pool geometries: queries [1, H_q, 1, D] each;
-    returns [1, 1, H_q, D] each, in order."""
+    returns [1, 1, H_q, D] each, in order. ``piece``: keys per piece of a split row (default
+    ``DECODE_PIECE``)."""
+    piece = DECODE_PIECE if piece is None else piece
     groups: dict[tuple, list[int]] = {}
     views = []
     for index, layer in enumerate(layers):
@@ -118,23 +140,38 @@ def attend_decodes(
             slot_rows.append(slots)
             position_rows.append(positions)
             rows.append(slots.shape[0])
-        width = max(s.shape[1] for s in slot_rows)
-        slots = torch.cat([_pad(s, width, -1) for s in slot_rows])  # [N, width]
-        positions = torch.cat([_pad(p, width, 0) for p in position_rows])  # [N, width]
         # Each row's newest token: it sees every live token of its table (causal by index).
         newest = torch.cat([layers[i].query_positions(1) for i in members])  # [N, 1]
         want_weights = any(layers[i].wants_attention_weights() for i in members)
-        result = attention(
-            torch.cat(query_rows),  # [N, 1, H', D]
-            key_cache,
-            value_cache,
-            slots,
-            positions,
-            newest,
-            scale=scaling,
-            return_weights=want_weights,
-            check=False,  # built above from the layers' own tables and the shared pool
-        )
+        query = torch.cat(query_rows)  # [N, 1, H', D]
+        if not want_weights and _pieces_save(slot_rows, piece):
+            out = attend_in_pieces(
+                attention,
+                query,
+                key_cache,
+                value_cache,
+                slot_rows,
+                position_rows,
+                newest,
+                scaling,
+                piece,
+            )
+            result = AttentionOutput(out, None, None)
+        else:
+            width = max(s.shape[1] for s in slot_rows)
+            slots = torch.cat([_pad(s, width, -1) for s in slot_rows])  # [N, width]
+            positions = torch.cat([_pad(p, width, 0) for p in position_rows])  # [N, width]
+            result = attention(
+                query,
+                key_cache,
+                value_cache,
+                slots,
+                positions,
+                newest,
+                scale=scaling,
+                return_weights=want_weights,
+                check=False,  # built above from the layers' own tables and the shared pool
+            )
         start = 0
         for index, count, own in zip(members, rows, slot_rows, strict=True):
             layer = layers[index]
@@ -152,3 +189,113 @@ def _pad(rows: torch.Tensor, width: int, value: int) -> torch.Tensor:
     if rows.shape[1] == width:
         return rows
     return torch.nn.functional.pad(rows, (0, width - rows.shape[1]), value=value)
+
+
+def _pieces_save(slot_rows: list[torch.Tensor], piece: int) -> bool:
+    """Whether cutting the rows ([n_i, w_i] per layer) into pieces of ``piece`` keys computes at
+    least ``MIN_PIECE_SAVING`` fewer keys than padding every row to the widest."""
+    width = max(rows.shape[1] for rows in slot_rows)
+    padded = sum(rows.shape[0] for rows in slot_rows) * width
+    split = sum(rows.shape[0] * _piece_count(rows.shape[1], piece) * piece for rows in slot_rows)
+    return split <= (1.0 - MIN_PIECE_SAVING) * padded
+
+
+def _piece_count(width: int, piece: int) -> int:
+    return max(1, -(-width // piece))
+
+
+def attend_in_pieces(
+    attention: Any,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_rows: list[torch.Tensor],
+    position_rows: list[torch.Tensor],
+    newest: torch.Tensor,
+    scaling: float | None,
+    piece: int,
+) -> torch.Tensor:
+    """Decode attention of N rows (``query`` [N, 1, H', D], ``newest`` [N, 1]; their slots and
+    key positions as blocks of rows [n_i, w_i], one per layer, stacked in order) with each row
+    cut into pieces of ``piece`` keys: one ``attention`` call over all pieces, then each row's
+    pieces merged by log-sum-exp. Returns out [N, 1, H', D]: attention over each row's keys."""
+    plan = _piece_plan(tuple(tuple(rows.shape) for rows in slot_rows), piece, query.device)
+    # Every row flattened behind one padding entry (slot -1, position 0), then read as pieces.
+    pad_slot = torch.full((1,), -1, dtype=slot_rows[0].dtype, device=query.device)
+    pad_position = torch.zeros((1,), dtype=position_rows[0].dtype, device=query.device)
+    slots = torch.cat([pad_slot, *(rows.reshape(-1) for rows in slot_rows)])[plan.index]
+    positions = torch.cat([pad_position, *(rows.reshape(-1) for rows in position_rows)])[
+        plan.index
+    ]  # [P, piece] each
+    part = attention(
+        query.index_select(0, plan.owner),  # [P, 1, H', D]
+        key_cache,
+        value_cache,
+        slots,
+        positions,
+        newest.index_select(0, plan.owner),  # [P, 1]
+        scale=scaling,
+        check=False,  # built from the layers' own tables and the shared pool
+    )
+    return merge_pieces(part.out, part.lse, plan.owner, query.shape[0])
+
+
+@dataclass(frozen=True)
+class _PiecePlan:
+    """Where the pieces of rows of given widths come from: ``index`` [P, piece], each piece's
+    entries in the rows flattened one after another behind one padding entry (index 0: a piece's
+    entries past its row's end read it), and ``owner`` [P], each piece's row."""
+
+    index: torch.Tensor
+    owner: torch.Tensor
+
+
+# Plans by (row shapes, piece, device). Every layer of a step has the same rows (a lossless
+# cache's tables grow alike), so a step builds its plan once, not once per layer.
+_PLANS: dict[tuple, _PiecePlan] = {}
+_MAX_PLANS = 64
+
+
+def _piece_plan(shapes: tuple[tuple[int, int], ...], piece: int, device: torch.device):
+    key = (shapes, piece, device)
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan
+    indices, owners = [], []
+    start, row = 1, 0  # flat index 0 is the padding entry
+    for count, width in shapes:
+        pieces = _piece_count(width, piece)
+        column = torch.arange(pieces * piece, device=device)[None, :]  # [1, k * piece]
+        first = start + width * torch.arange(count, device=device)[:, None]  # [n, 1]
+        index = torch.where(column < width, first + column, 0)  # [n, k * piece]
+        indices.append(index.reshape(count * pieces, piece))  # a row's pieces are consecutive
+        owners.append(torch.arange(row, row + count, device=device).repeat_interleave(pieces))
+        start += count * width
+        row += count
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    plan = _PLANS[key] = _PiecePlan(torch.cat(indices), torch.cat(owners))
+    return plan
+
+
+def merge_pieces(
+    out: torch.Tensor, lse: torch.Tensor, owner: torch.Tensor, rows: int
+) -> torch.Tensor:
+    """Merge pieces' attention states into their rows' (``kvstack.reference.merge``'s rule:
+    lse = log sum_p exp(lse_p), out = sum_p exp(lse_p - lse) out_p): ``out`` [P, 1, H, D],
+    ``lse`` [P, 1, H] (natural log, -inf for a piece with no visible key), ``owner`` [P] the
+    row of each piece. Returns [rows, 1, H, D] in ``out``'s dtype; a row with no visible key
+    gets 0."""
+    lse = lse.float()
+    index = owner[:, None, None].expand_as(lse)
+    top = torch.full((rows, *lse.shape[1:]), -math.inf, device=lse.device).scatter_reduce(
+        0, index, lse, reduce="amax"
+    )  # [rows, 1, H]: each row's largest piece lse
+    top = torch.where(top == -math.inf, torch.zeros_like(top), top)
+    weight = torch.exp(lse - top.index_select(0, owner))  # [P, 1, H]; 0 for an empty piece
+    total = torch.zeros_like(top).index_add_(0, owner, weight)  # [rows, 1, H]
+    summed = torch.zeros((rows, *out.shape[1:]), device=out.device).index_add_(
+        0, owner, weight[..., None] * out.float()
+    )  # [rows, 1, H, D]
+    merged = summed / torch.where(total == 0, torch.ones_like(total), total)[..., None]
+    return merged.to(out.dtype)
