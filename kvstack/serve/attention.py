@@ -22,6 +22,11 @@ request's token tables, exactly as under ``generate``). Then:
 * **prefill work**, and any layer the batch cannot take (a sliding window, a prefill the cache
   holds back in chunks, pools of another geometry): ``kvstack_attention`` per request, as before.
 
+Lossless requests of the engine whose K/V live in ``StackedKV`` stores come with a
+``StepContext`` instead of segments: the step's slots, computed once per forward pass, give each
+layer one scatter of every request's K/V, one call for all decode tokens (split the same way)
+and one per prefill chunk.
+
 This is ``kvstack.hf.attention._attend_tables`` for several layers at once; a request's output
 does not depend on which others share its step (the batched kernel attends each row alone).
 """
@@ -67,6 +72,8 @@ def serve_attention(
     segments = kwargs.pop(SEGMENTS_KWARG, None)
     if segments is None:
         return kvstack_attention(module, query, key, value, attention_mask, scaling, **kwargs)
+    if isinstance(segments, StepContext):
+        return segments.attend(module.layer_idx, query, key, value, scaling), None
     batchable = kwargs.get("sliding_window") is None and not any(
         kwargs.get(name) is not None for name in UNSUPPORTED
     )
@@ -299,3 +306,124 @@ def merge_pieces(
     )  # [rows, 1, H, D]
     merged = summed / torch.where(total == 0, torch.ones_like(total), total)[..., None]
     return merged.to(out.dtype)
+
+
+@dataclass
+class StepRequest:
+    """One request's part of a ``StepContext``: its tokens [start, end) of the packed step,
+    which are its tokens [first, first + end - start)."""
+
+    store: Any  # its StackedKV, holding every token before this step's and room for these
+    start: int
+    end: int
+    first: int
+
+
+class StepContext:
+    """A packed step of lossless requests whose K/V live in ``StackedKV`` stores, built once
+    per forward pass and read by every attention layer (nano-vllm's ``Context``): the step's
+    slots and each request's table are layer 0's; layer l adds l * block_size.
+
+    Per layer that is one scatter of the step's K/V for every request, one ``paged_attention``
+    call for all decode tokens (rows cut into pieces, as ``attend_decodes``), and one call per
+    prefill chunk, whatever the number of requests."""
+
+    def __init__(
+        self, requests: list[StepRequest], layer_index: dict[int, int], piece: int | None = None
+    ) -> None:
+        piece = DECODE_PIECE if piece is None else piece
+        first = requests[0].store
+        self.key_cache, self.value_cache = first.key_value()
+        self.block_size = first.block_size
+        self.layer_index = layer_index  # model layer index -> its place among attention layers
+        device = self.key_cache.device
+        # [T]: where every token of the step goes, in packed order.
+        self.new_slots = torch.cat(
+            [r.store.base_slots(r.first, r.first + r.end - r.start) for r in requests]
+        )
+        decodes = [r for r in requests if r.end - r.start == 1]
+        self.prefills = []  # (start, end, slots [1, W], key positions [1, W], queries [1, T])
+        for r in requests:
+            if r.end - r.start == 1:
+                continue
+            last = r.first + r.end - r.start
+            self.prefills.append(
+                (
+                    r.start,
+                    r.end,
+                    r.store.base_slots(0, last)[None],
+                    torch.arange(last, device=device)[None],
+                    torch.arange(r.first, last, device=device)[None],
+                )
+            )
+        self.decode_tokens = torch.tensor([r.start for r in decodes], device=device)  # [R_d]
+        self.decode_rows = None
+        if decodes:
+            # Each decode row reads its tokens [0, its newest]: cut into pieces when that
+            # computes fewer keys than padding every row to the widest.
+            widths = [r.first + 1 for r in decodes]
+            slot_rows = [
+                r.store.base_slots(0, w)[None] for r, w in zip(decodes, widths, strict=True)
+            ]
+            position_rows = [torch.arange(w, device=device)[None] for w in widths]
+            newest = torch.tensor([w - 1 for w in widths], device=device)[:, None]  # [R_d, 1]
+            if not _pieces_save(slot_rows, piece):
+                piece = max(widths)  # one piece per row: the rows padded to the widest
+            plan = _piece_plan(tuple(tuple(r.shape) for r in slot_rows), piece, device)
+            pad = torch.full((1,), -1, dtype=torch.int64, device=device)
+            slots = torch.cat([pad, *(r.reshape(-1) for r in slot_rows)])[plan.index]
+            positions = torch.cat([pad + 1, *(r.reshape(-1) for r in position_rows)])[plan.index]
+            # [P, piece] each; slot -1 stays -1 in every layer.
+            self.decode_rows = (slots, slots < 0, positions, newest.index_select(0, plan.owner))
+            self.decode_owner = plan.owner
+            self.decode_count = len(decodes)
+
+    def attend(
+        self,
+        layer_idx: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float | None,
+    ) -> torch.Tensor:
+        """Store the layer's packed K/V ([1, H_kv, T, D]) and attend its queries ([1, H_q, T,
+        D]); returns [1, T, H_q, D]."""
+        offset = self.layer_index[layer_idx] * self.block_size
+        heads, head_dim = key.shape[1], key.shape[3]
+        rows = (-1, heads, head_dim)  # the arena as [S, H_kv, D]
+        slots = self.new_slots + offset
+        # [1, H_kv, T, D] -> [T, H_kv, D]: one row per token, in packed order.
+        self.key_cache.view(rows).index_copy_(0, slots, key[0].transpose(0, 1))
+        self.value_cache.view(rows).index_copy_(0, slots, value[0].transpose(0, 1))
+        query_rows = query[0].transpose(0, 1)  # [T, H_q, D]
+        out = torch.empty_like(query_rows)
+        attention = ops.get("paged_attention", kv_attention._BACKEND)
+        if self.decode_rows is not None:
+            piece_slots, padding, positions, newest = self.decode_rows
+            part = attention(
+                query_rows.index_select(0, self.decode_tokens).index_select(0, self.decode_owner)[
+                    :, None
+                ],  # [P, 1, H_q, D]
+                self.key_cache,
+                self.value_cache,
+                (piece_slots + offset).masked_fill(padding, -1),
+                positions,
+                newest,
+                scale=scaling,
+                check=False,  # built from the requests' own pages in the engine's arena
+            )
+            merged = merge_pieces(part.out, part.lse, self.decode_owner, self.decode_count)
+            out.index_copy_(0, self.decode_tokens, merged[:, 0])
+        for start, end, table, positions, queries in self.prefills:
+            part = attention(
+                query_rows[None, start:end],  # [1, T_r, H_q, D]
+                self.key_cache,
+                self.value_cache,
+                table + offset,
+                positions,
+                queries,
+                scale=scaling,
+                check=False,
+            )
+            out[start:end] = part.out[0]
+        return out[None]  # [1, T, H_q, D]

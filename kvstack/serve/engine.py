@@ -15,6 +15,12 @@ packed K/V to that request's cache, exactly as ``generate`` with that cache woul
 every decode token of the step in one call over all their token tables (slot ids are arena-wide)
 and each prefill through the kvstack attention.
 
+A lossless spec on a model whose layers are all full attention keeps each request's K/V in a
+``StackedKV`` instead (``kvstack.serve.stacked_kv``: one block table per request for every
+layer, vLLM's layout; the same arena bytes). The step's slots are then computed once per forward
+pass (``kvstack.serve.attention.StepContext``), and each layer stores every request's K/V with
+one scatter and attends every decode token in one call, with no work per request and layer.
+
 A step, in order:
 
 1. **Admission**, FIFO: the oldest waiting request starts when the arena's free bytes, less
@@ -52,14 +58,14 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, LinearAttentionLayer
+from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionLayer
 
 from kvstack.arena import KVArena
 from kvstack.errors import ArenaExhausted, InvalidArgumentError
 from kvstack.hf import ATTENTION_NAME
 from kvstack.hf.state_layers import is_state_layer
 from kvstack.reference.checks import check_positive_int
-from kvstack.serve.attention import SEGMENTS_KWARG, serve_attention
+from kvstack.serve.attention import SEGMENTS_KWARG, StepContext, StepRequest, serve_attention
 from kvstack.serve.cache_spec import CacheGeometry, CacheSpec, cache_config
 from kvstack.serve.layouts import Need, hybrid_geometry, make_layout
 from kvstack.serve.request import (
@@ -71,6 +77,7 @@ from kvstack.serve.request import (
     token_ids,
 )
 from kvstack.serve.scheduler import BatchRule, PageAwareRule, Work, fill_batch
+from kvstack.serve.stacked_kv import StackedKV
 
 SERVE_ATTENTION = "kvstack_serve"
 DEFAULT_MAX_BATCH_TOKENS = 512
@@ -179,6 +186,19 @@ class Engine:
             type(layer) is LinearAttentionLayer for layer in template if is_state_layer(layer)
         )
         self._probe = probe
+        # A lossless cache of a model whose every attention layer is full attention keeps its
+        # requests' K/V in one block table per request for all layers (``StackedKV``), so a
+        # step's slots are computed once, not once per request and layer.
+        attention_layers = [
+            index for index, layer in enumerate(template) if type(layer) is DynamicLayer
+        ]
+        self._stacked = (
+            not spec.evicting
+            and not self.hybrid
+            and layout == "kvstack"
+            and len(attention_layers) == len(template)
+        )
+        self._layer_index = {layer: place for place, layer in enumerate(attention_layers)}
         # Arena bytes of one request's recurrent-state pages (hybrids): exact sizes, the same for
         # every request of a model; from the config where the model's state shapes are known
         # (``layouts.hybrid_geometry``), else learned from the first request that holds them.
@@ -371,6 +391,8 @@ class Engine:
         request = work.request
         if request.computed == 0 and self.spec.bounded:
             return self._admission_need(len(request.prompt_ids))  # the prefill's peak
+        if isinstance(request.cache, StackedKV):
+            return Need(request.cache.blocks_needed(work.tokens) * self.geometry.block_bytes)
         state = self.state_bytes if request.computed == 0 else 0  # taken at its first step
         blocks = 0
         for layer in request.cache.paged_layers:
@@ -424,10 +446,22 @@ class Engine:
             if self._running and not self.layout.fits(need, self._held()):
                 return  # FIFO: nobody overtakes the oldest waiting request
             self._waiting.popleft()
-            request.cache = self.spec.build(self._config, self.arena, self.prefill_chunk)
+            request.cache = self._new_cache()
             request.computed = 0
             request.admitted_at_step = self._step
             self._running.append(request)
+
+    def _new_cache(self) -> Any:
+        if self._stacked:
+            probe = self._probe
+            return StackedKV(
+                self.arena,
+                layers=len(probe.paged_layers),
+                block_size=self.spec.block_size,
+                num_kv_heads=probe.expected_kv_heads,
+                head_dim=probe.expected_head_dim,
+            )
+        return self.spec.build(self._config, self.arena, self.prefill_chunk)
 
     def _offer(self, request: Request) -> Work:
         tokens = request.tokens
@@ -496,18 +530,34 @@ class Engine:
             sample_at.append(end - 1 if samples else None)
             start = end
         keep = [index for index in sample_at if index is not None]
+        step: Any = segments
+        if self._stacked:
+            # Pages first, for every request (all or none each: ArenaExhausted leaves a store
+            # as it was), then the step's slots, once for all layers.
+            for work in batch:
+                work.request.cache.reserve(work.tokens)
+            step = StepContext(
+                [
+                    StepRequest(s.cache, s.start, s.end, w.request.computed)
+                    for s, w in zip(segments, batch, strict=True)
+                ],
+                self._layer_index,
+            )
         inputs = {
             "input_ids": torch.tensor([ids], device=device),  # [1, T]: the step, packed
             "position_ids": torch.tensor([positions], device=device),  # [1, T]
             self._cache_kwarg: _StepCache(),
             "use_cache": True,
             "logits_to_keep": torch.tensor(keep or [0], device=device),
-            SEGMENTS_KWARG: segments,  # reaches serve_attention in every layer
+            SEGMENTS_KWARG: step,  # reaches serve_attention in every layer
         }
         if self.model.config._attn_implementation != SERVE_ATTENTION:
             self.model.set_attn_implementation(SERVE_ATTENTION)  # switched away since
         with torch.inference_mode():
             logits = self.model(**inputs).logits[0]  # [len(keep), vocab]
+        if self._stacked:
+            for work in batch:  # every layer stored its tokens
+                work.request.cache.tokens += work.tokens
         rows: list[torch.Tensor | None] = []
         taken = 0
         for index in sample_at:
