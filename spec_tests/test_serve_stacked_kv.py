@@ -100,3 +100,31 @@ def test_a_store_costs_what_per_layer_tables_cost_and_refuses_tokens_it_has_no_p
         kv.base_slots(0, 13)
     kv.release()
     assert arena.bytes_used == 0 and kv.stats()["peak_bytes_used"] == 3 * LAYERS * BLOCK_BYTES
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 9, 16])
+def test_a_store_holds_the_arena_bytes_a_paged_cache_holds_for_the_same_tokens(tokens):
+    # The claim the engine's accounting rests on: StackedKV takes exactly the arena bytes of
+    # PagedCache's per-layer tables (one whole-row table per layer) for the same tokens.
+    from transformers import LlamaConfig
+
+    from kvstack.hf import PagedCache
+
+    config = LlamaConfig(
+        hidden_size=HEADS * DIM * 2,
+        intermediate_size=32,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS * 2,
+        num_key_value_heads=HEADS,
+        head_dim=DIM,
+        vocab_size=32,
+    )
+    paged_arena, stacked_arena = KVArena(40 * BLOCK_BYTES), KVArena(40 * BLOCK_BYTES)
+    paged = PagedCache(config, block_size=BLOCK, arena=paged_arena)
+    for layer in range(LAYERS):
+        key = torch.randn(1, HEADS, tokens, DIM)
+        paged.update(key, key, layer)
+    kv = store(stacked_arena)
+    kv.reserve(tokens)
+    assert stacked_arena.bytes_used == paged_arena.bytes_used == paged.stats()["bytes_used"]
+    assert kv.stats()["blocks_allocated"] == paged.stats()["blocks_allocated"]
