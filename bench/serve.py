@@ -44,7 +44,8 @@ prompt. Greedy decoding, no stop ids (every request makes its whole output).
   whose page proportions are Jamba-1.5-Mini's and Qwen3-Next's (``hybrid_config``), with each of
   the arena's three layouts (``kvstack.serve.layouts``), on one fixed arena per model, a
   ShareGPT-like trace all arriving at once. Goodput: output tokens/s (median of
-  ``HYBRID_REPEATS``; both models' tokens over both models' seconds); preemptions: their sum;
+  ``HYBRID_REPEATS``, the layouts' repeats alternating; both models' tokens over both models'
+  seconds; every layout on the compiled kernels: see ``measure_hybrid``); preemptions: their sum;
   effective batch: requests making a token per step, the mean over steps (and over models).
   ``serve.hybrid.kvstack_best``: the fraction of (metric, model) pairs where kvstack is at
   least as good as both others (target 1).
@@ -52,6 +53,7 @@ prompt. Greedy decoding, no stop ids (every request makes its whole output).
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import statistics
@@ -357,7 +359,7 @@ HYBRID_MODELS = ("jamba_like", "qwen3_next_like")
 HYBRID_REQUESTS, HYBRID_MAX_CONTEXT, HYBRID_MAX_NEW = 24, 256, 32
 QUICK_HYBRID_REQUESTS = 6
 HYBRID_ARENA_FRACTION = 0.3  # of the trace's whole footprint (KV of every token, exact states)
-HYBRID_REPEATS = 3  # timed runs per (model, layout); goodput is their median
+HYBRID_REPEATS = 5  # timed runs per (model, layout), alternating layouts; goodput: their median
 
 
 def hybrid_config(name: str) -> Any:
@@ -436,8 +438,46 @@ def hybrid_capacity(model: Any, requests: list[tuple[list[int], int]], fraction:
     return capacity
 
 
+# Graphs dynamo may compile of one function (per code object) before it falls back to running it
+# eagerly: see measure_hybrid.
+HYBRID_RECOMPILE_LIMIT = 64
+
+
+class RecompileLimitWatch(logging.Handler):
+    """Counts dynamo's "hit config.recompile_limit" warnings while attached (``with``): past
+    the limit dynamo stops compiling a function and runs it eagerly, so a run timed after that
+    would measure the uncompiled kernel."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.hits: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "recompile_limit" in record.getMessage():
+            self.hits.append(record.getMessage().splitlines()[0])
+
+    def __enter__(self) -> RecompileLimitWatch:
+        logging.getLogger("torch._dynamo").addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger("torch._dynamo").removeHandler(self)
+
+
 def measure_hybrid(quick: bool, log: Callable[[str], None]) -> tuple[dict[str, Figure], dict]:
-    """``serve.hybrid.*``: the engine on tiny hybrids with each of the arena's three layouts."""
+    """``serve.hybrid.*``: the engine on tiny hybrids with each of the arena's three layouts.
+
+    The compiled attention kernels keep the block size static (``kvstack.compiled.attention``),
+    and the three layouts' blocks differ in size, so the layouts of one model make more graphs
+    of the decode kernel than dynamo's default limit of 8 (jamba_like alone makes 9). Past it
+    dynamo runs the kernel eagerly, and whichever layout came last would be timed on the
+    uncompiled path. The limit is raised to ``HYBRID_RECOMPILE_LIMIT`` here; ``measure``
+    records any hit of a limit (none is expected)."""
+    with torch._dynamo.config.patch(recompile_limit=HYBRID_RECOMPILE_LIMIT):
+        return _measure_hybrid(quick, log)
+
+
+def _measure_hybrid(quick: bool, log: Callable[[str], None]) -> tuple[dict[str, Figure], dict]:
     from transformers import AutoModelForCausalLM
 
     from kvstack.serve import CacheSpec
@@ -457,20 +497,26 @@ def measure_hybrid(quick: bool, log: Callable[[str], None]) -> tuple[dict[str, F
         model.generation_config.eos_token_id = None
         requests = hybrid_requests(count, model.config.vocab_size)
         capacity = hybrid_capacity(model, requests, HYBRID_ARENA_FRACTION)
-        results = {}
         for layout in LAYOUTS:
             log(f"hybrid {name}, {layout}: {count} requests on {capacity / 2**20:.2f} MiB")
-            # Untimed, twice, on an arena that runs them together: each layout's block size is
-            # a new shape for the compiled attention, and batched decodes of a new number of
-            # requests may compile again.
-            for _ in range(2):
-                run_trace(model, 4 * capacity, CacheSpec(), requests[:4], layout=layout)
-            runs = [
-                run_trace(model, capacity, CacheSpec(), requests, layout=layout)
-                for _ in range(repeats)
-            ]
-            wall = statistics.median(r.wall_seconds for r in runs)
-            run = runs[0]  # scheduling is deterministic: every repeat makes the same steps
+            # Untimed: the trace itself, once. Each layout's block size is a new shape for the
+            # compiled attention, and its batches (up to the largest the timed runs make) may
+            # compile again; a warm-up on part of the trace left the first timed repeats to
+            # compile the larger batches.
+            run_trace(model, capacity, CacheSpec(), requests, layout=layout)
+        # The layouts' repeats alternate (round r runs every layout once): a run lasts about a
+        # second, so a drift in the shared machine's speed between one layout's block of
+        # repeats and the next would decide goodput; alternated, it reaches every layout alike.
+        runs: dict[str, list[TraceRun]] = {layout: [] for layout in LAYOUTS}
+        for _ in range(repeats):
+            for layout in LAYOUTS:
+                runs[layout].append(
+                    run_trace(model, capacity, CacheSpec(), requests, layout=layout)
+                )
+        results = {}
+        for layout in LAYOUTS:
+            wall = statistics.median(r.wall_seconds for r in runs[layout])
+            run = runs[layout][0]  # scheduling is deterministic: every repeat makes the same steps
             results[layout] = {
                 "goodput": run.output_tokens / wall,
                 "preemptions": run.preemptions,
@@ -479,6 +525,7 @@ def measure_hybrid(quick: bool, log: Callable[[str], None]) -> tuple[dict[str, F
                 "steps": run.steps,
                 "output_tokens": run.output_tokens,
                 "wall_seconds": wall,
+                "wall_seconds_of_repeats": [r.wall_seconds for r in runs[layout]],
             }
             total = totals[layout]
             total["tokens"] += run.output_tokens
@@ -486,8 +533,8 @@ def measure_hybrid(quick: bool, log: Callable[[str], None]) -> tuple[dict[str, F
             total["preemptions"] += run.preemptions
             total["batch"].append(run.mean_generating)
             log(
-                f"  {run.output_tokens / wall:.1f} tok/s, {run.preemptions} preemptions, "
-                f"effective batch {run.mean_generating:.2f}"
+                f"  {layout}: {run.output_tokens / wall:.1f} tok/s, {run.preemptions} "
+                f"preemptions, effective batch {run.mean_generating:.2f}"
             )
         for metric, higher in (
             ("goodput", True),
@@ -545,6 +592,17 @@ def _hybrid_figure(metric: str, layout: str, value: float, over: str) -> Figure:
 
 
 def measure(quick: bool, log: Callable[[str], None]) -> Measured:
+    with RecompileLimitWatch() as watch:
+        measured = _measure(quick, log)
+    # Past a recompile limit dynamo runs a function eagerly: a run timed after a hit may have
+    # measured an uncompiled kernel. The results file says whether that happened.
+    measured.workload["recompile_limit_hits"] = watch.hits
+    for hit in watch.hits:
+        log(f"warning: {hit}")
+    return measured
+
+
+def _measure(quick: bool, log: Callable[[str], None]) -> Measured:
     import kvstack.serve  # noqa: F401  (registers the engine's attention)
     from kvstack.models import load_smollm2
     from kvstack.policies import BY_NAME
@@ -748,6 +806,7 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         },
         "hybrid": {
             "models": hybrid_workload,
+            "recompile_limit": HYBRID_RECOMPILE_LIMIT,
             "arena_fraction_of_footprint": HYBRID_ARENA_FRACTION,
             "trace": f"kvstack.workloads.draw_trace(seed={TRACE_SEED}, max_context="
             f"{HYBRID_MAX_CONTEXT}), outputs capped at {HYBRID_MAX_NEW}, all submitted at step 0",

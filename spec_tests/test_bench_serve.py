@@ -9,6 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvstack.bench.serve import (
     HYBRID_MODELS,
+    RecompileLimitWatch,
     _hf_continuous_batching,
     arrival_times,
     full_kv_bytes,
@@ -196,3 +197,26 @@ def test_the_readme_table_keeps_every_figure():
     assert "serve.hybrid.goodput.kvstack.jamba_like" not in table
     assert "serve.batched_over_sequential" in table and "serve.tokens_equal_sequential" in table
     assert "| `full` | 3 | 2.5 | 15 | 250 | 9 | 1 |" in table
+
+
+def test_the_recompile_watch_sees_dynamo_fall_back_to_eager():
+    """The serve results record every hit of dynamo's recompile limit (a run timed after one
+    may have measured an uncompiled kernel): the watch must see a real hit, and nothing when
+    a function stays within the limit."""
+
+    def double(x):
+        return x * 2
+
+    within = torch.compile(double, dynamic=False)
+    with RecompileLimitWatch() as watch:
+        within(torch.ones(3))
+        within(torch.ones(3))
+    assert watch.hits == []
+
+    beyond = torch.compile(lambda x: x + 1, dynamic=False)
+    # The spec tests make a hit an error (conftest); the benchmarks run with dynamo's default.
+    limit = dict(recompile_limit=1, fail_on_recompile_limit_hit=False)
+    with torch._dynamo.config.patch(**limit), RecompileLimitWatch() as watch:
+        for size in (2, 3, 4):  # static shapes: each size is a new graph
+            beyond(torch.ones(size))
+    assert watch.hits and "recompile_limit" in watch.hits[0]

@@ -226,25 +226,35 @@ def attend_in_pieces(
     key positions as blocks of rows [n_i, w_i], one per layer, stacked in order) with each row
     cut into pieces of ``piece`` keys: one ``attention`` call over all pieces, then each row's
     pieces merged by log-sum-exp. Returns out [N, 1, H', D]: attention over each row's keys."""
-    plan = _piece_plan(tuple(tuple(rows.shape) for rows in slot_rows), piece, query.device)
-    # Every row flattened behind one padding entry (slot -1, position 0), then read as pieces.
-    pad_slot = torch.full((1,), -1, dtype=slot_rows[0].dtype, device=query.device)
-    pad_position = torch.zeros((1,), dtype=position_rows[0].dtype, device=query.device)
-    slots = torch.cat([pad_slot, *(rows.reshape(-1) for rows in slot_rows)])[plan.index]
-    positions = torch.cat([pad_position, *(rows.reshape(-1) for rows in position_rows)])[
-        plan.index
-    ]  # [P, piece] each
+    slots, positions, owner = cut_into_pieces(slot_rows, position_rows, piece)
     part = attention(
-        query.index_select(0, plan.owner),  # [P, 1, H', D]
+        query.index_select(0, owner),  # [P, 1, H', D]
         key_cache,
         value_cache,
         slots,
         positions,
-        newest.index_select(0, plan.owner),  # [P, 1]
+        newest.index_select(0, owner),  # [P, 1]
         scale=scaling,
         check=False,  # built from the layers' own tables and the shared pool
     )
-    return merge_pieces(part.out, part.lse, plan.owner, query.shape[0])
+    return merge_pieces(part.out, part.lse, owner, query.shape[0])
+
+
+def cut_into_pieces(
+    slot_rows: list[torch.Tensor], position_rows: list[torch.Tensor], piece: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of keys (blocks of rows [n_i, w_i]: their slots and key positions, stacked in
+    order) cut into pieces of ``piece`` keys: slots and positions [P, piece] (a piece's entries
+    past its row's end are padding: slot -1, position 0) and ``owner`` [P], each piece's row.
+    A row's pieces are consecutive; a row of width w has max(1, ceil(w / piece)) of them."""
+    device = slot_rows[0].device
+    plan = _piece_plan(tuple(tuple(rows.shape) for rows in slot_rows), piece, device)
+    # Every row flattened behind one padding entry (slot -1, position 0), then read as pieces.
+    pad_slot = torch.full((1,), -1, dtype=slot_rows[0].dtype, device=device)
+    pad_position = torch.zeros((1,), dtype=position_rows[0].dtype, device=device)
+    slots = torch.cat([pad_slot, *(rows.reshape(-1) for rows in slot_rows)])[plan.index]
+    positions = torch.cat([pad_position, *(rows.reshape(-1) for rows in position_rows)])[plan.index]
+    return slots, positions, plan.owner
 
 
 @dataclass(frozen=True)
@@ -369,13 +379,13 @@ class StepContext:
             newest = torch.tensor([w - 1 for w in widths], device=device)[:, None]  # [R_d, 1]
             if not _pieces_save(slot_rows, piece):
                 piece = max(widths)  # one piece per row: the rows padded to the widest
-            plan = _piece_plan(tuple(tuple(r.shape) for r in slot_rows), piece, device)
-            pad = torch.full((1,), -1, dtype=torch.int64, device=device)
-            slots = torch.cat([pad, *(r.reshape(-1) for r in slot_rows)])[plan.index]
-            positions = torch.cat([pad + 1, *(r.reshape(-1) for r in position_rows)])[plan.index]
+            slots, positions, owner = cut_into_pieces(slot_rows, position_rows, piece)
             # [P, piece] each; slot -1 stays -1 in every layer.
-            self.decode_rows = (slots, slots < 0, positions, newest.index_select(0, plan.owner))
-            self.decode_owner = plan.owner
+            self.decode_rows = (slots, slots < 0, positions, newest.index_select(0, owner))
+            self.decode_owner = owner
+            # [P]: each piece's query, by its token in the packed step (composed once here, so
+            # a layer selects its pieces' queries with one index_select).
+            self.decode_queries = self.decode_tokens.index_select(0, owner)
             self.decode_count = len(decodes)
 
     def attend(
@@ -401,9 +411,7 @@ class StepContext:
         if self.decode_rows is not None:
             piece_slots, padding, positions, newest = self.decode_rows
             part = attention(
-                query_rows.index_select(0, self.decode_tokens).index_select(0, self.decode_owner)[
-                    :, None
-                ],  # [P, 1, H_q, D]
+                query_rows.index_select(0, self.decode_queries)[:, None],  # [P, 1, H_q, D]
                 self.key_cache,
                 self.value_cache,
                 (piece_slots + offset).masked_fill(padding, -1),

@@ -79,19 +79,20 @@ class StackedKV:
             self, "kv", self.layers * self.block_elements, count, align=self.block_elements
         )
         self.pages.extend(pages)
-        self._first_blocks = torch.tensor(
-            [page.offset // self.block_elements for page in self.pages], device=self.arena.device
-        )
+        self._rebuild_table()
         self._peak_bytes = max(self._peak_bytes, self.bytes_used)
 
     def pages_moved(self, moves: dict[Page, int]) -> None:
         """The arena compacted (its owners' callback): page objects keep their new offsets, so
         the block table is rebuilt from them."""
         if self.pages:
-            self._first_blocks = torch.tensor(
-                [page.offset // self.block_elements for page in self.pages],
-                device=self.arena.device,
-            )
+            self._rebuild_table()
+
+    def _rebuild_table(self) -> None:
+        """[pages] int64: the first arena block of each page, from the pages' offsets."""
+        self._first_blocks = torch.tensor(
+            [page.offset // self.block_elements for page in self.pages], device=self.arena.device
+        )
 
     def release(self) -> None:
         """Return every page to the arena; the store is empty afterwards."""
