@@ -9,6 +9,20 @@ from kvstack.bench import gpu
 from kvstack.errors import KVStackError
 
 
+def tiny_llama():
+    """A two-layer GQA Llama: the GPU run's code paths on the CPU in seconds."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+    )
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here: the gpu test runs")
 def test_gpu_bench_without_cuda_says_so_and_writes_nothing(tmp_path):
     from kvstack.bench.suite import RESULTS_DIR
@@ -35,16 +49,7 @@ def test_the_gpu_run_on_the_cpu_measures_every_figure_it_names():
     recorded as not measured instead of being estimated."""
     import math
 
-    from transformers import LlamaConfig
-
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-    )
+    config = tiny_llama()
     measured = gpu.measure_on(
         torch.device("cpu"), True, lambda message: None, dtype="float32", config=config
     )
@@ -87,15 +92,6 @@ def test_a_paged_token_mismatch_stops_the_gpu_run(monkeypatch):
         return timings
 
     monkeypatch.setattr(gpu, "time_interleaved", tampered)
-    from transformers import LlamaConfig
-
-    config = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=64,
-    )
+    config = tiny_llama()
     with pytest.raises(KVStackError, match="PagedCache generated other tokens"):
         gpu._generate_timings(config, torch.device("cpu"), "float32", 1, 16, 2, 1)
