@@ -17,8 +17,8 @@ prompt. Greedy decoding, no stop ids (every request makes its whole output).
   trace's full KV, with ``TokenTableCache`` (ratio 0.5, reclaim) ÷ the same with Naive-Evict
   (``reclaim=False``: the same evictions, no memory returned), and ÷ the lossless
   ``PagedCache`` (target ≥ 1.8 against Naive-Evict; vToken reports up to 2×). Same engine,
-  trace and arena on both sides; only the cache differs (and with it how a prompt is fed: an
-  evicting cache takes its whole prompt in one step, a lossless one in ``PREFILL_CHUNK``s).
+  trace and arena on both sides; only the cache differs (every prompt is fed in
+  ``PREFILL_CHUNK``s, one per step).
 * ``serve.throughput_ratio.{policy}.0.5.{vs_naive,vs_full}``: output tokens per second of the
   same runs, the same pairs.
 * ``serve.sla_throughput_ratio.{policy}.0.5.{vs_naive,vs_full}``: the same pairs of each cache's

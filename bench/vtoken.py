@@ -32,6 +32,12 @@ Figures, with targets:
                                                                     <= 0.03   (+ .max)
     vtoken.paged_tokens_equal_dynamic   fraction of prompts on which PagedCache generated
         exactly DynamicCache's tokens                               >= 1
+    vtoken.prefill_ratio.{snapkv,tova,streaming,h2o}   median over prompts of the wall time of
+        a ``generate`` of ``PREFILL_NEW_TOKENS`` new tokens (so the prompt's prefill dominates)
+        with TokenTableCache(policy, ratio 0.5) / the same with DynamicCache (sdpa), batch 1
+                          (snapkv, tova, streaming: <= 1.1; h2o: <= 1.5)
+        What prefill through kvstack's attention (with the attention weights the policies read)
+        costs over SDPA's prefill.
 
 Blocks are exact counts (``TokenTableCache.stats()["blocks_allocated"]``, all 30 layers).
 Per-head policies (H2O, Scissorhands) keep one token table per KV head, so their blocks hold one
@@ -42,7 +48,9 @@ generate the same tokens: every pair is compared and a mismatch stops the run.
 Timing: ``kvstack.bench.timing.time_interleaved`` — one warm-up generate per configuration (a
 short one, so torch.compile time is excluded), then one round per prompt in which every
 configuration generates once, the order rotating from round to round; tokens/s is new tokens /
-wall time of ``generate`` (prefill included).
+wall time of ``generate`` (prefill included). The prefill figures are a second interleaved
+phase of the same kind (``_prefill_phase``), whose warm-up is on the first prompt only: a
+prompt of another length that compiled again would be timed compiling.
 """
 
 from __future__ import annotations
@@ -69,7 +77,15 @@ from kvstack.bench.suite import (
 )
 from kvstack.bench.timing import time_interleaved
 from kvstack.errors import KVStackError
-from kvstack.policies import H2O, EvictionPolicy, RandomEviction, Scissorhands
+from kvstack.policies import (
+    H2O,
+    TOVA,
+    EvictionPolicy,
+    RandomEviction,
+    Scissorhands,
+    SnapKV,
+    StreamingLLM,
+)
 from kvstack.reference.repack import DEFAULT_WASTE_THRESHOLD
 
 NAME = "vtoken"
@@ -90,6 +106,16 @@ POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
 }
 
 SPEED_RATIO = 0.5  # the ratio every policy is timed at against DynamicCache
+# The prefill figures: policies by the attention weights their prefill needs (SnapKV its
+# observation window's queries, TOVA the last query, StreamingLLM none, H2O every query), each
+# timed at SPEED_RATIO over a generate of a few tokens, so that the prompt's prefill dominates.
+PREFILL_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
+    "snapkv": lambda: SnapKV(),
+    "tova": lambda: TOVA(),
+    "streaming": lambda: StreamingLLM(),
+    "h2o": lambda: H2O(),
+}
+PREFILL_NEW_TOKENS = 8
 VTOKEN_REPORTED = (0.272, 0.723)  # vToken's range of retained-block reduction vs Naive-Evict
 
 
@@ -126,6 +152,10 @@ TARGETS = {
     f"vtoken.evicting_over_dynamic.h2o.{SPEED_RATIO:g}": (">=", 0.9),
     "vtoken.repack_time_fraction": ("<=", 0.03),
     "vtoken.paged_tokens_equal_dynamic": (">=", 1.0),
+    "vtoken.prefill_ratio.snapkv": ("<=", 1.1),
+    "vtoken.prefill_ratio.tova": ("<=", 1.1),
+    "vtoken.prefill_ratio.streaming": ("<=", 1.1),
+    "vtoken.prefill_ratio.h2o": ("<=", 1.5),
 }
 
 
@@ -380,6 +410,46 @@ def _speed_phase(
     return runs
 
 
+def _prefill_phase(
+    model: Any, prompts: list[Prompt], config: VTokenConfig, log: Callable[[str], None]
+) -> dict[str, list[float]]:
+    """Batch 1, ``PREFILL_NEW_TOKENS`` new tokens: DynamicCache (sdpa) and each of
+    ``PREFILL_POLICIES`` at ``SPEED_RATIO``, interleaved, one round per prompt after one
+    warm-up round on the first prompt. Returns each configuration's seconds per prompt."""
+    from transformers import DynamicCache
+
+    from kvstack.hf import TokenTableCache
+
+    current: dict[str, Prompt] = {}
+
+    def on_round(index: int | None) -> None:
+        current["prompt"] = prompts[0 if index is None else index]
+
+    def timed_generate(name: str) -> Callable[[], torch.Tensor]:
+        def call() -> torch.Tensor:
+            if name == "dynamic":
+                cache, attn = DynamicCache(config=model.config), "sdpa"
+            else:
+                policy = PREFILL_POLICIES[name]()
+                cache = TokenTableCache(
+                    model.config, policy, ratio=SPEED_RATIO, block_size=config.block_size
+                )
+                attn = "kvstack"
+            return _generate(model, [current["prompt"]], cache, attn, PREFILL_NEW_TOKENS)
+
+        return call
+
+    names = ["dynamic", *PREFILL_POLICIES]
+    log(f"prefill: {', '.join(names)}, {PREFILL_NEW_TOKENS} new tokens; one round per prompt")
+    timings = time_interleaved(
+        {name: timed_generate(name) for name in names},
+        repeats=len(prompts),
+        warmup=1,
+        on_round=on_round,
+    )
+    return timings.seconds
+
+
 def _blocks_phase(
     model: Any, groups: list[list[Prompt]], config: VTokenConfig, log: Callable[[str], None]
 ) -> list[Run]:
@@ -422,8 +492,10 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         f"{torch.get_num_threads()}"
     )
     runs = _speed_phase(model, prompts, config, log)
+    prefill_seconds = _prefill_phase(model, prompts, config, log)
     runs += _blocks_phase(model, groups, config, log)
     figures = _figures(config, prompts, runs)
+    figures.update(_prefill_figures(prompts, prefill_seconds))
     workload = {
         "model": MODEL_NAME,
         "dtype": "float32",
@@ -439,12 +511,21 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         "repack_threshold": config.repack_threshold,
         "warmup_new_tokens": config.warmup_new_tokens,
         "timer": "kvstack.bench.timing.time_interleaved: 1 warm-up round, 1 round per prompt",
+        "prefill": {
+            "new_tokens": PREFILL_NEW_TOKENS,
+            "ratio": SPEED_RATIO,
+            "policies": list(PREFILL_POLICIES),
+            "seconds": {
+                name: dict(zip((p.name for p in prompts), seconds, strict=True))
+                for name, seconds in prefill_seconds.items()
+            },
+        },
     }
     return Measured(
         figures=figures,
         workload=workload,
         title="kvstack vToken benchmark: retained blocks with and without reclamation",
-        sections=_sections(config, prompts, groups, runs, figures),
+        sections=_sections(config, prompts, groups, runs, figures, prefill_seconds),
         plot=lambda path: _plot(config, prompts, runs, figures, path),
         extra_files={
             "runs.json": json.dumps([asdict(run) for run in runs], indent=1, sort_keys=True) + "\n"
@@ -571,6 +652,33 @@ def _figures(config: VTokenConfig, prompts: list[Prompt], runs: list[Run]) -> di
     return figures
 
 
+def _prefill_figures(prompts: list[Prompt], seconds: dict[str, list[float]]) -> dict[str, Figure]:
+    """``vtoken.prefill_ratio.*`` and ``vtoken.prefill_seconds.*`` from ``_prefill_phase``."""
+    figures = {}
+    what = (
+        f"generate of {PREFILL_NEW_TOKENS} new tokens after the prompt (prefill dominates), batch 1"
+    )
+    for name in seconds:
+        figures[f"vtoken.prefill_seconds.{name}"] = Figure(
+            statistics.median(seconds[name]),
+            "s",
+            f"{what}, {'DynamicCache (sdpa)' if name == 'dynamic' else name}, median over prompts",
+        )
+    for name in PREFILL_POLICIES:
+        key = f"vtoken.prefill_ratio.{name}"
+        figures[key] = Figure(
+            statistics.median(
+                mine / dynamic
+                for mine, dynamic in zip(seconds[name], seconds["dynamic"], strict=True)
+            ),
+            "ratio",
+            f"wall time of a {what}, TokenTableCache({name}, ratio {SPEED_RATIO:g}) / "
+            "DynamicCache (sdpa) in the same round, median over prompts",
+            TARGETS[key],
+        )
+    return figures
+
+
 # --------------------------------------------------------------------------- report
 def _sections(
     config: VTokenConfig,
@@ -578,6 +686,7 @@ def _sections(
     groups: list[list[Prompt]],
     runs: list[Run],
     figures: dict[str, Figure],
+    prefill_seconds: dict[str, list[float]],
 ) -> list[str]:
     ratios = ", ".join(f"{r:g}" for r in config.ratios)
     matrix_generates = len(config.policies) * len(config.ratios) * 2 * len(groups)
@@ -687,7 +796,22 @@ def _sections(
         )
         + ". Every run (blocks, ideal blocks, live tokens, bytes, repacks, seconds) is in "
         "`runs.json`.",
+        "",
+        "## Prefill against DynamicCache",
+        "",
+        f"Seconds of a `generate` of {PREFILL_NEW_TOKENS} new tokens at batch 1 (the prompt's "
+        f"prefill dominates); each policy at ratio {SPEED_RATIO:g}, its ratio to DynamicCache "
+        "(sdpa) in the same interleaved round.",
+        "",
+        "| prompt | DynamicCache s | "
+        + " | ".join(f"{name} / dynamic" for name in PREFILL_POLICIES)
+        + " |",
+        "|---|---:|" + "---:|" * len(PREFILL_POLICIES),
     ]
+    for index, p in enumerate(prompts):
+        dynamic = prefill_seconds["dynamic"][index]
+        cells = [f"{prefill_seconds[name][index] / dynamic:.3f}" for name in PREFILL_POLICIES]
+        lines.append(f"| {p.name} | {dynamic:.2f} | {' | '.join(cells)} |")
     return lines
 
 
@@ -702,6 +826,7 @@ def readme_tables(results: dict) -> dict[str, str]:
         "vtoken.paged_over_dynamic",
         "vtoken.paged_tokens_equal_dynamic",
         *(f"vtoken.evicting_over_dynamic.{p}.{speed}" for p in policies),
+        *(f"vtoken.prefill_ratio.{p}" for p in w["prefill"]["policies"]),
     ]
 
     def percent(name: str) -> str:
@@ -736,7 +861,9 @@ def readme_tables(results: dict) -> dict[str, str]:
         f"thread(s); {len(w['prompts'])} prompts of {min(lengths)}–{max(lengths)} tokens, "
         f"{w['new_tokens']} greedy new tokens each, block size {w['block_size']}, repack "
         f"threshold {w['repack_threshold']:g}; speed at batch 1, policies at ratio {speed}, "
-        f"median tokens/s: {tokens_per_s}."
+        f"median tokens/s: {tokens_per_s}. Prefill ratios: generate of "
+        f"{w['prefill']['new_tokens']} new tokens at batch 1, each policy at ratio "
+        f"{w['prefill']['ratio']:g} over DynamicCache (sdpa), median over the same prompts."
     )
     return {"vtoken": "\n\n".join([figure_table(results, names), "\n".join(reduction), workload])}
 

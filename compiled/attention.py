@@ -39,14 +39,12 @@ QUERY_CHUNK = 128
 
 
 def _decode(
-    q, key_cache, value_cache, slots, key_positions, query_positions, first_visible, scale: float
+    q, key_rows, value_rows, slots, key_positions, query_positions, first_visible, scale: float
 ):
     batch, _, h_q, head_dim = q.shape
-    h_kv = key_cache.shape[2]
+    h_kv = key_rows.shape[1]  # key_rows, value_rows: [S, H_kv, D]
     group = h_q // h_kv
     t_k = slots.shape[1]
-    key_rows = key_cache.view(-1, h_kv, head_dim)  # [S, H_kv, D]
-    value_rows = value_cache.view(-1, h_kv, head_dim)
     visible = (
         (slots >= 0) & (key_positions <= query_positions) & (key_positions >= first_visible)
     )  # [B, T]
@@ -69,14 +67,12 @@ def _decode(
 
 
 def _prefill(
-    q, key_cache, value_cache, slots, key_positions, query_positions, first_visible, scale: float
+    q, key_rows, value_rows, slots, key_positions, query_positions, first_visible, scale: float
 ):
     batch, t_q, h_q, head_dim = q.shape
-    h_kv = key_cache.shape[2]
+    h_kv = key_rows.shape[1]  # key_rows, value_rows: [S, H_kv, D]
     group = h_q // h_kv
     t_k = slots.shape[1]
-    key_rows = key_cache.view(-1, h_kv, head_dim)  # [S, H_kv, D]
-    value_rows = value_cache.view(-1, h_kv, head_dim)
     key_pos = key_positions[:, None, :]  # [B, 1, T]
     visible = (
         (slots[:, None, :] >= 0)
@@ -225,10 +221,18 @@ def _attend(
         first_visible = _no_window(query.device)
     else:
         first_visible = query_positions - window + 1
+    # The kernels read rows [S, H_kv, D]: the block size is not theirs to specialise on (pools of
+    # 1-token blocks would make a graph of their own), and S is dynamic.
+    key_rows = key_cache.view(-1, *key_cache.shape[2:])
+    value_rows = value_cache.view(-1, *value_cache.shape[2:])
+    # Canonical strides: a size-1 dim (one decode query) can carry any stride, and dynamo guards
+    # on it, so queries transposed in another order would compile a graph each. A view of the
+    # flattened query (a copy only when it is not contiguous) has the same strides every time.
+    query = query.reshape(-1).view(query.shape)
     _mark_lengths_dynamic(
         (query, (0, 1)),
-        (key_cache, (0,)),
-        (value_cache, (0,)),
+        (key_rows, (0,)),
+        (value_rows, (0,)),
         (slots, (0, 1)),
         (key_positions, (0, 1)),
         (query_positions, (0, 1)),
@@ -236,8 +240,8 @@ def _attend(
     )
     out, lse, weights = kernel(
         query,
-        key_cache,
-        value_cache,
+        key_rows,
+        value_rows,
         slots,
         key_positions,
         query_positions,

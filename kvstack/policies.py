@@ -12,6 +12,10 @@ decode step costs a few tensor ops per layer, not per table:
         init_state(N)              state for N tables (e.g. accumulated attention)
         observe(state, alive, w)   alive [N, T] bool; w [N, heads, T_q, T]: this step's attention
                                    weights by logical index (0 for dead tokens)
+        observed_queries(state, T_q)   how many of a step's last queries ``observe`` reads:
+                                   the cache computes weights for those rows only (SnapKV its
+                                   observation window, TOVA the newest query, H2O all of them)
+        skip_queries(state, n)     the step's first n queries, whose weights were not computed
         scores(state, alive)       [N, T] float by logical index, higher = more worth keeping
                                    (values at dead tokens are ignored)
         protected(alive, budgets)  [N, T] bool, tokens never evicted (sinks, recent window)
@@ -121,6 +125,17 @@ class EvictionPolicy:
 
     def observe(self, state: Any, alive: torch.Tensor, weights: torch.Tensor) -> None:
         """``weights`` [N, heads, T_q, T]: this step's attention by logical index."""
+
+    def observed_queries(self, state: Any, num_queries: int) -> int:
+        """How many of the last of a step's ``num_queries`` queries ``observe`` reads (all of
+        them by default; none for a policy that needs no weights). The cache computes attention
+        weights only for those rows and calls ``skip_queries`` for the others first, so the
+        state ends as it would have after observing every row."""
+        return num_queries if self.needs_attention_weights else 0
+
+    def skip_queries(self, state: Any, count: int) -> None:
+        """The step's first ``count`` queries, left out by ``observed_queries``: nothing to do
+        for a policy whose state depends only on the rows it reads."""
 
     def observe_columns(
         self, state: Any, alive: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
@@ -285,6 +300,9 @@ class TOVA(EvictionPolicy):
     def observe(self, state: dict, alive: torch.Tensor, weights: torch.Tensor) -> None:
         state["last"] = weights[:, :, -1, :].mean(dim=1).float()  # [N, T]
 
+    def observed_queries(self, state: dict, num_queries: int) -> int:
+        return min(1, num_queries)  # the newest query alone
+
     def scores(self, state: dict, alive: torch.Tensor) -> torch.Tensor:
         last = state["last"]
         return _padded_sum([last], last.shape[0], alive.shape[1], alive.device)
@@ -313,6 +331,9 @@ class Scissorhands(EvictionPolicy):
             important = (per_query[:, query] >= uniform) & alive
             state["marks"].append(important.float())
         del state["marks"][: -self.history]
+
+    def observed_queries(self, state: dict, num_queries: int) -> int:
+        return min(self.history, num_queries)  # the marks of the last ``history`` queries
 
     def scores(self, state: dict, alive: torch.Tensor) -> torch.Tensor:
         return _padded_sum(state["marks"], alive.shape[0], alive.shape[1], alive.device)
@@ -373,6 +394,27 @@ class SnapKV(EvictionPolicy):
                 state["closed"], state["open"] = state["open"], state["closed"]
                 state["open"].at(num_tokens, alive.device).zero_()
                 state["open_queries"] = 0
+
+    def observed_queries(self, state: dict, num_queries: int) -> int:
+        # After the step the open window holds the stream's last (open + T_q) % window queries
+        # and the closed one the window before them: the step's rows before those only fill
+        # windows that are replaced before it ends.
+        return min(num_queries, self.window + (state["open_queries"] + num_queries) % self.window)
+
+    def skip_queries(self, state: dict, count: int) -> None:
+        if count == 0:
+            return
+        # ``observed_queries`` leaves out whole windows' worth of rows, from the open window's
+        # start: the tiling goes on at a window boundary, and the next window to close (read in
+        # full) replaces the closed votes. Both are zeroed, so nothing stale can remain.
+        if (state["open_queries"] + count) % self.window:
+            raise InvalidArgumentError(
+                f"count must end at a window boundary of SnapKV's tiling (window {self.window}, "
+                f"{state['open_queries']} queries in the open one), got {count}"
+            )
+        state["open_queries"] = 0
+        for key in ("closed", "open"):
+            state[key].values.zero_()
 
     def scores(self, state: dict, alive: torch.Tensor) -> torch.Tensor:
         votes = state["closed"].at(alive.shape[1], alive.device) + state["open"].at(

@@ -22,6 +22,7 @@ import kvstack.hf  # noqa: F401  (registers attn_implementation="kvstack")
 from kvstack.bench.prompts import FULL_TOKEN_RANGE, Prompt, build_prompts, read_passage
 from kvstack.bench.vtoken import (
     FULL,
+    PREFILL_POLICIES,
     QUICK,
     TARGETS,
     _check_same_tokens,
@@ -114,8 +115,26 @@ def test_quick_figures_are_named_and_in_range(quick_run):
         "vtoken.repack_time_fraction.max",
         *(f"vtoken.evicting_over_dynamic.{p}.{ratio:g}" for p in QUICK.policies),
         *(f"vtoken.tokens_per_s.{c}" for c in ("dynamic", "paged", *QUICK.policies)),
+        *(f"vtoken.prefill_seconds.{c}" for c in ("dynamic", *PREFILL_POLICIES)),
     }
     assert set(figures) == expected
+    # Each prefill ratio is the median over prompts of the per-prompt ratio of the recorded
+    # seconds (same round), and each prefill time the median of its own seconds.
+    prefill = results["workload"]["prefill"]
+    assert prefill["policies"] == list(PREFILL_POLICIES) == ["snapkv", "tova", "streaming", "h2o"]
+    seconds = prefill["seconds"]
+    assert set(seconds) == {"dynamic", *PREFILL_POLICIES}
+    for name, per_prompt in seconds.items():
+        assert set(per_prompt) == set(prompts)
+        assert all(s > 0 for s in per_prompt.values())
+        assert figures[f"vtoken.prefill_seconds.{name}"] == pytest.approx(
+            statistics.median(per_prompt.values())
+        )
+    for policy in PREFILL_POLICIES:
+        ratios = [seconds[policy][p] / seconds["dynamic"][p] for p in prompts]
+        assert figures[f"vtoken.prefill_ratio.{policy}"] == pytest.approx(
+            statistics.median(ratios)
+        ), policy
     for name, (comparison, target) in TARGETS.items():
         assert results["figures"][name]["target"] == {"comparison": comparison, "value": target}
 

@@ -218,6 +218,128 @@ def test_observing_a_prefill_in_query_chunks_decides_as_at_once(name, monkeypatc
         assert torch.equal(chunked, whole)
 
 
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("prefill_chunk", [None, 16])
+def test_a_prefill_computing_weights_of_observed_rows_only_decides_as_with_all(
+    name, prefill_chunk, monkeypatch
+):
+    """A prefill computes attention weights only for the rows the policy reads
+    (``observed_queries``) and every output by the fastest path (SDPA over the step's K/V for a
+    first prefill, one paged call without weights otherwise). It must keep exactly the tokens,
+    and generate exactly the tokens, of a prefill that computes every row's weights and output
+    through the paged attention (as before), also when the prompt comes in chunks."""
+    from kvstack.hf.token_table_cache import TokenTableLayer
+
+    model, ids = tiny_llama(), prompt(length=60, batch=2)
+    runs = {}
+    for every_row in (False, True):
+        if every_row:  # every query observed: the paged path with weights for all rows
+            monkeypatch.setattr(TokenTableLayer, "observed_queries", lambda self, n: n)
+        cache = TokenTableCache(
+            model.config, POLICIES[name](), budget=24, block_size=4, prefill_chunk=prefill_chunk
+        )
+        tokens = generate(model, ids, cache, max_new_tokens=8)
+        runs[every_row] = (tokens, [layer.batch.alive.clone() for layer in cache.paged_layers])
+    assert torch.equal(runs[False][0], runs[True][0])
+    for fast, every in zip(runs[False][1], runs[True][1], strict=True):
+        assert torch.equal(fast, every)
+
+
+def test_a_first_prefill_takes_sdpa_and_a_policy_reads_only_its_rows(monkeypatch):
+    """The fast path is taken: a first prefill's outputs come from SDPA, and SnapKV (window 8)
+    gets the weights of its last 8 + 60 % 8 = 12 queries of a 60-token prompt only."""
+    import kvstack.hf.attention as kv_attention
+
+    calls, rows = [], []
+    real_sdpa = kv_attention.F.scaled_dot_product_attention
+    monkeypatch.setattr(
+        kv_attention.F,
+        "scaled_dot_product_attention",
+        lambda *a, **k: calls.append(a[0].shape) or real_sdpa(*a, **k),
+    )
+    real_observe = TokenTableCache.layer_class.observe_attention
+    monkeypatch.setattr(
+        TokenTableCache.layer_class,
+        "observe_attention",
+        lambda self, w: rows.append(w.shape[2]) or real_observe(self, w),
+    )
+    model, ids = tiny_llama(), prompt(length=60, batch=1)
+    cache = TokenTableCache(model.config, SnapKV(window=8, kernel_size=3), budget=24)
+    generate(model, ids, cache, max_new_tokens=1)
+    layers = model.config.num_hidden_layers
+    assert [shape[2] for shape in calls] == [60] * layers  # [B, H_q, T_q, D], once per layer
+    assert rows == [12] * layers
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("size", [{"budget": 24}, {"ratio": 0.5}])
+def test_a_prompt_announced_and_fed_a_chunk_per_call_keeps_what_one_call_keeps(name, size):
+    """``expect_prompt`` (a serving engine's prefill, a chunk per step): fed in calls of
+    ``prefill_chunk`` tokens, the prompt leaves exactly the tables, bytes and reservation of one
+    call of the whole prompt (which the cache chunks itself), and decoding goes on alike."""
+    model, ids = tiny_llama(), prompt(length=60, batch=1)
+    chunk = 16
+
+    def make():
+        return TokenTableCache(
+            model.config, POLICIES[name](), block_size=4, prefill_chunk=chunk, **size
+        )
+
+    whole, pieces = make(), make()
+    pieces.expect_prompt(ids.shape[1])
+    with torch.inference_mode():
+        logits_whole = model(ids, past_key_values=whole, use_cache=True).logits[:, -1]
+        for start in range(0, ids.shape[1], chunk):
+            out = model(
+                ids[:, start : start + chunk],
+                past_key_values=pieces,
+                use_cache=True,
+                position_ids=torch.arange(start, min(start + chunk, ids.shape[1]))[None],
+            )
+            if start + chunk < ids.shape[1]:  # not the prompt's end: no budget-sized tables yet
+                assert pieces.layers_prefilled == 0
+    torch.testing.assert_close(out.logits[:, -1], logits_whole)
+    for mine, theirs in zip(pieces.paged_layers, whole.paged_layers, strict=True):
+        assert torch.equal(mine.batch.alive, theirs.batch.alive)
+        assert mine.budgets == theirs.budgets
+    for key in ("bytes_used", "blocks_allocated", "bytes_reserved"):
+        assert pieces.stats()[key] == whole.stats()[key], key
+    assert pieces.layers_prefilled == whole.layers_prefilled == len(whole.paged_layers)
+    following = out.logits[:, -1].argmax(-1, keepdim=True)
+    with torch.inference_mode():
+        a = model(following, past_key_values=whole, use_cache=True).logits
+        b = model(following, past_key_values=pieces, use_cache=True).logits
+    torch.testing.assert_close(a, b)
+
+
+def test_expect_prompt_refuses_what_breaks_the_announcement_and_changes_nothing():
+    model, ids = tiny_llama(), prompt(length=40, batch=1)
+    with pytest.raises(InvalidArgumentError, match="prefill_chunk=N"):
+        TokenTableCache(model.config, H2O(), budget=16).expect_prompt(40)
+    cache = TokenTableCache(model.config, H2O(), budget=16, prefill_chunk=8)
+    with pytest.raises(InvalidArgumentError, match="prompt_tokens"):
+        cache.expect_prompt(0)
+    cache.expect_prompt(40)
+    with pytest.raises(InvalidArgumentError, match="once, before"):
+        cache.expect_prompt(40)
+    with (
+        pytest.raises(InvalidArgumentError, match="at most prefill_chunk=8"),
+        torch.inference_mode(),
+    ):
+        model(ids[:, :9], past_key_values=cache, use_cache=True)  # more than a chunk
+    assert cache.get_seq_length() == 0
+    assert cache.stats()["bytes_used"] == 0
+    with torch.inference_mode():  # the announced prompt, a chunk at a time, still goes in
+        for start in range(0, 40, 8):
+            model(
+                ids[:, start : start + 8],
+                past_key_values=cache,
+                use_cache=True,
+                position_ids=torch.arange(start, start + 8)[None],
+            )
+    assert cache.layers_prefilled == len(cache.paged_layers)
+
+
 def test_stats_keys_are_the_documented_ones_with_their_units():
     from kvstack.hf import paged, token_table_cache
 

@@ -640,3 +640,69 @@ def test_decode_fast_paths_decide_as_the_general_methods(name, data):
         return
     assert expected.sum(dim=1).tolist() == [1] * num_tables
     assert victims.tolist() == expected.int().argmax(dim=1).tolist()
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@given(data=st.data())
+def test_observing_only_the_observed_queries_decides_as_observing_all(name, data):
+    """A prefill computes weights only for the last ``observed_queries`` rows and announces the
+    others with ``skip_queries``: over steps of any length (SnapKV: with its open window at any
+    fill), the policy then scores and chooses exactly as it does after observing every row."""
+    every = POLICIES[name](data)
+    last = copy.deepcopy(every)  # the same policy, with its own state below
+    num_tables = data.draw(st.integers(1, 3), label="num_tables")
+    low = every.min_budget()
+    num_tokens = data.draw(st.integers(low, low + 30), label="num_tokens")
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    alive = torch.ones(num_tables, num_tokens, dtype=torch.bool)
+    states = every.init_state(num_tables), last.init_state(num_tables)
+    heads = data.draw(st.integers(1, 3), label="heads")
+    for _ in range(data.draw(st.integers(1, 4), label="steps")):
+        queries = data.draw(st.integers(1, 90), label="queries")
+        weights = torch.rand(num_tables, heads, queries, num_tokens, generator=gen).softmax(-1)
+        every.observe(states[0], alive, weights)
+        observed = last.observed_queries(states[1], queries)
+        assert 0 <= observed <= queries
+        assert observed > 0 or not last.needs_attention_weights or queries == 0
+        last.skip_queries(states[1], queries - observed)
+        if observed:
+            last.observe(states[1], alive, weights[:, :, queries - observed :])
+    budget = data.draw(st.integers(low, num_tokens), label="budget")
+    if every.needs_attention_weights:  # Random draws from its generators: scores once only
+        torch.testing.assert_close(every.scores(states[0], alive), last.scores(states[1], alive))
+    budgets = [budget] * num_tables
+    assert torch.equal(
+        every.choose_victims(states[0], alive, budgets),
+        last.choose_victims(states[1], alive, budgets),
+    )
+
+
+def test_observed_queries_per_policy():
+    """Which prefill rows each policy reads: none without weights, the newest for TOVA, the
+    last ``history`` for Scissorhands, every one for H2O, and for SnapKV the open window plus
+    the window before it (after the step)."""
+    assert StreamingLLM().observed_queries(None, 100) == 0
+    assert RandomEviction().observed_queries(None, 100) == 0
+    assert TOVA().observed_queries(TOVA().init_state(1), 100) == 1
+    assert Scissorhands(history=32).observed_queries(None, 100) == 32
+    assert Scissorhands(history=32).observed_queries(None, 20) == 20
+    assert H2O().observed_queries(None, 100) == 100
+    snapkv = SnapKV(window=32)
+    state = snapkv.init_state(1)
+    assert snapkv.observed_queries(state, 100) == 32 + 100 % 32  # 36: windows [64, 96), [96, 100)
+    assert snapkv.observed_queries(state, 40) == 40  # 32 + 8 >= 40: every row
+    state["open_queries"] = 30
+    assert snapkv.observed_queries(state, 100) == 32 + 130 % 32  # 34
+
+
+def test_snapkv_skip_queries_must_end_at_a_window_boundary():
+    """Skipping rows that would leave the tiling inside a window is refused, state unchanged."""
+    snapkv = SnapKV(window=4)
+    state = snapkv.init_state(1)
+    state["open_queries"] = 1
+    before = copy.deepcopy(state)
+    with pytest.raises(InvalidArgumentError, match="window boundary"):
+        snapkv.skip_queries(state, 2)
+    assert state["open_queries"] == before["open_queries"]
+    snapkv.skip_queries(state, 3)
+    assert state["open_queries"] == 0

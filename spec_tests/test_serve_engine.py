@@ -124,6 +124,28 @@ def test_a_step_batches_decodes_and_prefill_of_several_requests(model):
     assert second.output_ids == solo(model, "paged", prompt(30, 2), 8)
 
 
+@pytest.mark.parametrize("spec_name", sorted(SPECS))
+def test_a_long_prompt_is_prefilled_over_steps_while_others_decode(model, spec_name):
+    """Every cache kind takes a prompt a chunk per step (an evicting cache fixed its budgets
+    from the whole prompt: ``expect_prompt``), so a long prompt does not stall the requests
+    decoding beside it, and each request still gets its solo tokens."""
+    serving = engine(model, spec_name, 64 * BLOCK_BYTES)
+    short = serving.submit(prompt(10, 1), 12)
+    serving.step()  # short's whole prompt, and its first token
+    long = serving.submit(prompt(5 * PREFILL_CHUNK, 2), 4)
+    steps = 0
+    while long.computed < 5 * PREFILL_CHUNK:
+        produced = serving.step()
+        steps += 1
+        assert long.computed == steps * PREFILL_CHUNK  # whole chunks, one per step
+        assert [request for request, _ in produced][:1] == [short]  # short decodes meanwhile
+    assert steps == 5
+    serving.run()
+    assert short.output_ids == solo(model, spec_name, prompt(10, 1), 12)
+    assert long.output_ids == solo(model, spec_name, prompt(5 * PREFILL_CHUNK, 2), 4)
+    assert serving.arena.bytes_used == 0
+
+
 @pytest.mark.parametrize("spec_name", ["paged", "h2o_naive"])
 def test_a_tight_arena_preempts_the_newest_and_outputs_do_not_change(model, spec_name):
     # Short prompts, long outputs: admitted together, the requests outgrow the arena mid-decode.

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from kvstack import ops
 from kvstack.errors import KVStackError
@@ -140,14 +141,24 @@ def kvstack_attention(
     window = layer.window if layer.window is not None else window
     pending = layer.pending_prefill(mask)
     if pending is None:
-        return _attend_tables(layer, query_bthd, mask, scaling, window), None
+        return _attend_tables(layer, query_bthd, mask, scaling, window, key, value), None
     # Chunked prefill: append N prompt tokens, attend their queries, evict down to the budget,
     # and only then append the next N, so no table ever holds more than budget + N tokens.
     outs = []
     for start, end in pending:
         layer.append_prefill_chunk(start, end)
         chunk_mask = None if mask is None else mask[:, : mask.shape[1] - t_q + end]
-        outs.append(_attend_tables(layer, query_bthd[:, start:end], chunk_mask, scaling, window))
+        outs.append(
+            _attend_tables(
+                layer,
+                query_bthd[:, start:end],
+                chunk_mask,
+                scaling,
+                window,
+                key[:, :, start:end],
+                value[:, :, start:end],
+            )
+        )
     layer.finish_prefill()
     return torch.cat(outs, dim=1), None
 
@@ -158,18 +169,68 @@ def _attend_tables(
     attention_mask: torch.Tensor | None,
     scaling: float | None,
     window: int | None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``query_bthd`` ([B, T_q, H_q, D], the layer's newest T_q tokens) over the
     layer's token tables; hands the weights to the layer's policy and lets it evict afterwards.
-    ``attention_mask`` is the 2D padding mask whose last T_q columns are these tokens."""
-    attention = ops.get("paged_attention", _BACKEND)
+    ``attention_mask`` is the 2D padding mask whose last T_q columns are these tokens; ``key``
+    and ``value`` ([B, H_kv, T_q, D]) are the step's K/V, as the layer stored them.
+
+    A prefill computes weights only for the queries whose weights the policy reads
+    (``observed_queries``: none for StreamingLLM, the newest for TOVA, SnapKV's observation
+    window, every query for H2O). Every query's output then comes from the fastest attention
+    that reads the same keys: SDPA over ``key``/``value`` when the tables hold exactly this
+    step's tokens (a first prefill without padding) and no backend was chosen (``set_backend``:
+    the reference backend reads every output through the tables), else one paged call without
+    weights."""
     t_q = query_bthd.shape[1]
     if attention_mask is not None:
         if not _new_tokens_all_real(attention_mask, t_q, layer.get_seq_length()):
             layer.evict_padding(attention_mask[:, -t_q:])
-    key_cache, value_cache, slots, key_positions = layer.attention_view()
-    query_bthd = layer.split_query(query_bthd)  # one row per token table
+    view = layer.attention_view()  # key_cache, value_cache, slots [N, T_k], positions [N, T_k]
     want_weights = layer.wants_attention_weights()
+    observed = layer.observed_queries(t_q) if want_weights else 0
+    if t_q > 1 and observed < t_q:
+        fresh = key is not None and window is None and layer.holds_only_new_tokens(t_q)
+        if fresh and _BACKEND is None:
+            out = F.scaled_dot_product_attention(
+                query_bthd.transpose(1, 2),  # [B, H_q, T_q, D]
+                key,
+                value,
+                is_causal=True,
+                scale=scaling,
+                enable_gqa=True,
+            ).transpose(1, 2)  # [B, T_q, H_q, D]
+        else:
+            out = _attend_rows(layer, query_bthd, view, 0, scaling, window, weights=False)
+        if observed:
+            layer.skip_queries(t_q - observed)
+            _attend_rows(layer, query_bthd, view, t_q - observed, scaling, window, weights=True)
+        layer.after_attention()
+        return out
+    out = _attend_rows(layer, query_bthd, view, 0, scaling, window, weights=want_weights)
+    layer.after_attention()
+    return out
+
+
+def _attend_rows(
+    layer: Any,
+    query_bthd: torch.Tensor,
+    view: tuple[torch.Tensor, ...],
+    first: int,
+    scaling: float | None,
+    window: int | None,
+    *,
+    weights: bool,
+) -> torch.Tensor:
+    """Attention of the step's queries ``first`` to T_q over the layer's ``attention_view``;
+    with ``weights``, each chunk's weights go to the policy (``observe_attention``). Returns
+    [B, T_q - first, H_q, D]."""
+    attention = ops.get("paged_attention", _BACKEND)
+    key_cache, value_cache, slots, key_positions = view
+    t_q = query_bthd.shape[1]
+    query_split = layer.split_query(query_bthd)  # one row per token table
     # A decode step over views without padding: the newest token sees every live token,
     # which decode_attention computes without positions or a mask.
     dense_decode = t_q == 1 and window is None and layer.view_is_dense
@@ -180,8 +241,8 @@ def _attend_tables(
     # Each chunk reads only the view's columns its queries can see (the view lists each table's
     # live tokens in logical order first), so its weights are no wider than the causal triangle.
     outs = []
-    chunk = OBSERVE_CHUNK if want_weights else t_q
-    for start in range(0, t_q, chunk):
+    chunk = OBSERVE_CHUNK if weights else t_q - first
+    for start in range(first, t_q, chunk):
         end = min(start + chunk, t_q)
         width = slots.shape[1]
         if end < t_q:
@@ -189,17 +250,17 @@ def _attend_tables(
             width = int(((key_positions <= last) & (slots >= 0)).sum(dim=1).max())
         if dense_decode:  # one chunk of one query
             result = ops.get("decode_attention", _BACKEND)(
-                query_bthd,
+                query_split,
                 key_cache,
                 value_cache,
                 slots,
                 scale=scaling,
-                return_weights=want_weights,
-                check=False,  # built above from the layer's own tables and pool
+                return_weights=weights,
+                check=False,  # built from the layer's own tables and pool
             )
         else:
             result = attention(
-                query_bthd[:, start:end],
+                query_split[:, start:end],
                 key_cache,
                 value_cache,
                 slots[:, :width],
@@ -207,13 +268,12 @@ def _attend_tables(
                 query_positions[:, start:end],
                 scale=scaling,
                 window=window,
-                return_weights=want_weights,
-                check=False,  # built above from the layer's own tables and pool
+                return_weights=weights,
+                check=False,  # built from the layer's own tables and pool
             )
-        if want_weights:
+        if weights:
             layer.observe_attention(result.weights)
         outs.append(result.out)
-    layer.after_attention()
     return layer.merge_output(outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))
 
 

@@ -249,6 +249,20 @@ class PagedLayer(CacheLayerMixin):
     def wants_attention_weights(self) -> bool:
         return False
 
+    def observed_queries(self, query_length: int) -> int:
+        """How many of this step's last queries need attention weights (``observe_attention``);
+        the first ``query_length`` minus that many are announced to ``skip_queries``."""
+        return 0
+
+    def skip_queries(self, count: int) -> None:
+        """The step's first ``count`` queries, whose weights are not computed."""
+
+    def holds_only_new_tokens(self, query_length: int) -> bool:
+        """Whether every table holds exactly this step's ``query_length`` tokens, all live: a
+        first prefill without padding, whose K/V are the ones the attention call was handed."""
+        batch = self.batch
+        return batch.num_tokens == query_length and min(batch.num_live) == query_length
+
     def pending_prefill(self, attention_mask: torch.Tensor | None) -> list[tuple[int, int]] | None:
         """The (start, end) chunks of a prefill whose K/V ``store`` kept back, or None when
         this step's K/V are in the tables already (PagedCache appends everything at once)."""

@@ -65,6 +65,21 @@ class TokenTableLayer(PagedLayer):
         """Append the step's K/V, or keep a long prefill's K/V back for ``append_prefill_chunk``
         (the attention function appends and evicts chunk by chunk)."""
         chunk = self.cache.prefill_chunk
+        expected = self.cache.expected_prompt
+        if expected is not None and not self.prefilled:
+            # A prompt announced by ``expect_prompt``, arriving a chunk per call: checked before
+            # anything changes, budgets from the whole prompt, evicted after each chunk.
+            batch, new_tokens = key_states.shape[0], key_states.shape[2]
+            if batch != 1 or new_tokens > chunk or self.batch.num_tokens + new_tokens > expected:
+                raise InvalidArgumentError(
+                    f"a prompt announced by expect_prompt({expected}) comes as one row in calls "
+                    f"of at most prefill_chunk={chunk} tokens; layer {self.layer_idx} holds "
+                    f"{self.batch.num_tokens} and got [batch {batch}, {new_tokens} tokens]"
+                )
+            self.prompt_tokens = [expected] * self.batch.num_tables
+            self.reserve_first_step(new_tokens)
+            self.append(key_states, value_states)
+            return
         self.reserve_first_step(key_states.shape[2])
         if chunk is not None and not self.budgets and key_states.shape[2] > chunk:
             self.pending = (key_states, value_states)
@@ -83,6 +98,10 @@ class TokenTableLayer(PagedLayer):
         self.prompt_tokens = [int(n) for n in real for _ in range(self.groups)]
         chunk = self.cache.prefill_chunk
         return [(start, min(start + chunk, t)) for start in range(0, t, chunk)]
+
+    def reserve_first_step(self, new_tokens: int) -> None:
+        # An announced prompt reserves for all of it on its first chunk.
+        super().reserve_first_step(self.cache.expected_prompt or new_tokens)
 
     def append_prefill_chunk(self, start: int, end: int) -> None:
         key_states, value_states = self.pending
@@ -106,6 +125,18 @@ class TokenTableLayer(PagedLayer):
         prompt = self.prompt_tokens if self.prompt_tokens is not None else self.batch.num_live
         self.budgets = [self.cache.budget_for(tokens) for tokens in prompt]
 
+    def observed_queries(self, query_length: int) -> int:
+        """How many of this step's last queries the policy reads weights of."""
+        if not self.budgets:
+            self._start()
+        return self.policy.observed_queries(self.state, query_length)
+
+    def skip_queries(self, count: int) -> None:
+        """The step's first ``count`` queries, whose weights the policy does not read."""
+        if not self.budgets:
+            self._start()
+        self.policy.skip_queries(self.state, count)
+
     def observe_attention(self, weights: torch.Tensor) -> None:
         """Hand one chunk of this step's attention ([N, heads, T_c, W] over the view's first W
         columns) to the policy."""
@@ -119,7 +150,8 @@ class TokenTableLayer(PagedLayer):
         batch = self.batch
         if not self.budgets:
             self._start()
-        if self.pending is None:
+        expected = self.cache.expected_prompt
+        if self.pending is None and (expected is None or batch.num_tokens >= expected):
             self._prefill_done()
         excess = [live - budget for live, budget in zip(batch.num_live, self.budgets, strict=True)]
         if max(excess) <= 0:
@@ -230,6 +262,7 @@ class TokenTableCache(PagedCache):
             check_positive_int("prefill_chunk", prefill_chunk)
         self.policy = policy
         self.prefill_chunk = prefill_chunk
+        self.expected_prompt: int | None = None  # expect_prompt: a prompt fed a chunk per call
         self.layers_prefilled = 0
         self.budget = budget
         self.ratio = ratio
@@ -239,6 +272,27 @@ class TokenTableCache(PagedCache):
 
     def per_head_tables(self) -> bool:
         return self.policy.per_head
+
+    def expect_prompt(self, prompt_tokens: int) -> None:
+        """Announce a one-row prompt of ``prompt_tokens`` tokens that the next calls bring in
+        pieces of at most ``prefill_chunk`` tokens (a serving engine's prefill chunks, one per
+        step): budgets and the arena reservation come from the whole prompt, each piece is
+        evicted down to the budget after its attention, and the prefill ends at the prompt's
+        last token. The cache keeps exactly what one call of the whole prompt would keep.
+        Call it before the first step; a piece that breaks the announcement is refused."""
+        check_positive_int("prompt_tokens", prompt_tokens)
+        if self.prefill_chunk is None:
+            raise InvalidArgumentError(
+                "expect_prompt needs a cache built with prefill_chunk=N (the most tokens a call "
+                "may bring), got prefill_chunk=None"
+            )
+        if self.expected_prompt is not None or any(
+            layer.is_initialized for layer in self.paged_layers
+        ):
+            raise InvalidArgumentError(
+                f"expect_prompt({prompt_tokens}) must come once, before the cache's first step"
+            )
+        self.expected_prompt = prompt_tokens
 
     def budget_for(self, prompt_tokens: int) -> int:
         if self.budget is not None:

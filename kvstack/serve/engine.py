@@ -447,6 +447,8 @@ class Engine:
                 return  # FIFO: nobody overtakes the oldest waiting request
             self._waiting.popleft()
             request.cache = self._new_cache()
+            if self.spec.evicting and not self.hybrid:
+                request.cache.expect_prompt(len(request.prompt_ids))  # a chunk per step
             request.computed = 0
             request.admitted_at_step = self._step
             self._running.append(request)
@@ -466,14 +468,23 @@ class Engine:
     def _offer(self, request: Request) -> Work:
         tokens = request.tokens
         remaining = len(tokens) - request.computed
-        if self.spec.evicting or self.hybrid:
-            # The whole prompt in one step (an evicting cache chunks it and fixes budgets from
-            # it; a recurrent layer continues its state only one token at a time), then one
-            # token per step: outputs replayed after a preemption, then decoding. A lossless
-            # hybrid recomputes its prompt and outputs in one prefill.
+        prompt_left = len(request.prompt_ids) - request.computed
+        if self.hybrid:
+            # A recurrent layer continues its state only one token at a time: the whole prompt
+            # (a lossless hybrid: prompt and outputs, recomputed) in one step, then one token
+            # per step.
             if request.computed == 0:
                 count = len(request.prompt_ids) if self.spec.evicting else remaining
                 return Work(request, count, "prefill")
+            return Work(request, 1, "decode")
+        if self.spec.evicting:
+            # The prompt a chunk per step (the cache fixed its budgets from the whole prompt:
+            # expect_prompt), then one token per step: outputs replayed after a preemption, so
+            # the cache makes the same evictions again, then decoding. Whole chunks only: the
+            # cache evicts after each, so where a chunk ends decides what it keeps, and a solo
+            # generate ends them at multiples of prefill_chunk.
+            if prompt_left > 0:
+                return Work(request, min(self.prefill_chunk, prompt_left), "prefill")
             return Work(request, 1, "decode")
         count = min(self.prefill_chunk, remaining)
         kind = "decode" if remaining == 1 and request.output_ids else "prefill"
