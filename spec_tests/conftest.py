@@ -31,6 +31,18 @@ torch._dynamo.config.recompile_limit = 64
 torch._dynamo.config.fail_on_recompile_limit_hit = True
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_dynamo_per_module():
+    """Each test module starts with dynamo's caches empty.
+
+    The limit counts graphs per function over the whole process, and the suite compiles the
+    kernels for dozens of unrelated model shapes and dtypes (64 graphs of ``_decode`` by the
+    time ``test_hf_token_table_cache`` runs). Per module, the limit still fails any one
+    workload that would fall back to eager, which is what it is here to catch."""
+    torch._dynamo.reset()
+    yield
+
+
 def devices() -> list:
     """CPU always; CUDA (marked ``gpu``) where a device exists."""
     found = [pytest.param("cpu", id="cpu")]
