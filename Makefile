@@ -13,7 +13,7 @@ OLDEST := $(VENV)/transformers-$(TRANSFORMERS_OLDEST)
 HF_TESTS := spec_tests/test_hf_paged.py spec_tests/test_hf_token_table_cache.py \
 	spec_tests/test_hf_smollm2.py spec_tests/test_hf_hybrid.py spec_tests/test_serve_engine.py
 
-.PHONY: install demo test bench figures lint clean cuda-check gpu-check
+.PHONY: install demo test bench figures lint clean cuda-check gpu-check kvpress-env
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -56,10 +56,24 @@ bench: install
 	OMP_NUM_THREADS=1 $(BIN)/kvstack bench quality --out bench_results/quality
 	OMP_NUM_THREADS=1 $(BIN)/kvstack bench arena --out bench_results/arena
 	OMP_NUM_THREADS=1 $(BIN)/kvstack bench serve --out bench_results/serve
+	$(MAKE) kvpress-env
+	OMP_NUM_THREADS=1 $(BIN)/kvstack bench kvpress --out bench_results/kvpress
 	$(BIN)/kvstack figures
 
 figures: install
 	$(BIN)/kvstack figures
+
+# kvpress in a venv of its own (it needs transformers < 5.3; kvstack needs >= 5.17), with the
+# same CPU torch as .venv, for `kvstack bench kvpress` (its worker runs with this python).
+KVPRESS_VERSION := 0.5.5
+KVPRESS_VENV := $(VENV)/kvpress-$(KVPRESS_VERSION)
+
+$(KVPRESS_VENV)/.installed:
+	$(PYTHON) -m venv $(KVPRESS_VENV)
+	$(KVPRESS_VENV)/bin/python -m pip install --quiet torch==2.13.0 kvpress==$(KVPRESS_VERSION)
+	touch $@
+
+kvpress-env: $(KVPRESS_VENV)/.installed
 
 # Compile every CUDA kernel (cuda_kernels/*.cu) for Hopper (sm_90) with nvcc, on a machine with
 # or without a GPU, so that compile errors show before a GPU run. The CPU torch of .venv has no

@@ -1,9 +1,9 @@
 """The ``kvstack`` command.
 
     kvstack bench SUITE --out DIR [--quick]  run a benchmark (core, vtoken, quality, arena,
-                                             serve, gpu): its report under DIR, its results
-                                             (full runs) in bench/results/SUITE.json, to be
-                                             committed
+                                             serve, kvpress, gpu): its report under DIR,
+                                             its results (full runs) in
+                                             bench/results/SUITE.json, to be committed
     kvstack figures [--check]                render the README's figure tables from those files;
                                              --check: fail if one differs or is stale
     kvstack ops                              the op registry: which backends run here, or why not
@@ -42,6 +42,11 @@ BENCH_SUITES = {
     "serve": (
         "many requests on one fixed arena through the Engine: concurrency, throughput (SmolLM2)",
         "four short requests",
+    ),
+    "kvpress": (
+        "evicting prefill against kvpress's same presses, side by side (SmolLM2; needs "
+        "`make kvpress-env`)",
+        "two prompts",
     ),
     "gpu": ("generate speed on a CUDA device (SmolLM2 architecture)", "eight new tokens"),
 }
