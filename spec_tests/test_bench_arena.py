@@ -5,10 +5,11 @@ from __future__ import annotations
 import warnings
 
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaForCausalLM
 
 from kvstack.bench.arena import held_tensor_bytes, readme_tables
 from kvstack.hf import PagedCache
+from spec_tests.tiny import tiny_llama_config
 
 
 def test_held_tensor_bytes_counts_each_storage_once_through_containers():
@@ -23,14 +24,7 @@ def test_held_tensor_bytes_counts_each_storage_once_through_containers():
 
 def test_a_cache_holds_its_arena_and_dynamic_cache_its_keys_and_values():
     torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-    )
+    config = tiny_llama_config()
     model = LlamaForCausalLM(config).eval()
     model.set_attn_implementation("kvstack")
     ids = torch.randint(1, 256, (1, 40), generator=torch.Generator().manual_seed(1))

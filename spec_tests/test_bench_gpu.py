@@ -7,20 +7,12 @@ import torch
 
 from kvstack.bench import gpu
 from kvstack.errors import KVStackError
+from spec_tests.tiny import tiny_llama_config
 
 
 def tiny_llama():
     """A two-layer GQA Llama: the GPU run's code paths on the CPU in seconds."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-    )
+    return tiny_llama_config()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here: the gpu test runs")

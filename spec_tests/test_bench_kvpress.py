@@ -16,8 +16,9 @@ import torch
 
 from kvstack.bench import kvpress as bench
 from kvstack.errors import KVStackError
+from spec_tests.tiny import tiny_llama_config
 
-FAKE_KVPRESS = '''
+FAKE_KVPRESS = """
 import contextlib
 from dataclasses import dataclass
 
@@ -33,7 +34,7 @@ class _NoOpPress:
 
 
 SnapKVPress = TOVAPress = StreamingLLMPress = ObservedAttentionPress = _NoOpPress
-'''
+"""
 
 
 @pytest.fixture
@@ -55,18 +56,10 @@ def worker_python(tmp_path):
 
 @pytest.fixture
 def tiny_model_dir(tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        eos_token_id=255,
-    )
+    config = tiny_llama_config(eos_token_id=255)
     directory = tmp_path / "tiny"
     LlamaForCausalLM(config).save_pretrained(directory)
     return directory

@@ -21,15 +21,9 @@ from kvstack.bench.serve import (
 )
 from kvstack.policies import H2O
 from kvstack.serve import CacheSpec
+from spec_tests.tiny import TINY_LLAMA
 
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=256,
-)
+TINY = TINY_LLAMA
 
 
 @pytest.fixture(scope="module")

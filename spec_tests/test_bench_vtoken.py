@@ -16,7 +16,7 @@ import statistics
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 import kvstack.hf  # noqa: F401  (registers attn_implementation="kvstack")
 from kvstack.bench.prompts import FULL_TOKEN_RANGE, Prompt, build_prompts, read_passage
@@ -33,6 +33,7 @@ from kvstack.bench.vtoken import (
 from kvstack.cli import main
 from kvstack.errors import InvalidArgumentError, KVStackError
 from kvstack.models import load_smollm2
+from spec_tests.tiny import tiny_llama_config
 
 
 @pytest.fixture(scope="module")
@@ -189,18 +190,7 @@ def test_batches_keep_lengths_within_new_tokens():
 @pytest.mark.parametrize("policy", ["h2o", "random"])
 def test_a_batched_request_holds_the_blocks_it_would_hold_alone(policy):
     torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=256,
-            max_position_embeddings=512,
-            pad_token_id=0,
-        )
-    ).eval()
+    model = LlamaForCausalLM(tiny_llama_config(max_position_embeddings=512, pad_token_id=0)).eval()
     model.generation_config.pad_token_id = 0
     # Lengths 60 and 90 (30 tokens of padding for the first) with 32 new tokens.
     prompts = [_fake_prompt("short", 60, 1), _fake_prompt("long", 90, 2)]

@@ -16,16 +16,9 @@ from kvstack.arena import DEFAULT_SEGMENT_BYTES, KVArena
 from kvstack.errors import ArenaExhausted, InvalidArgumentError
 from kvstack.hf import PagedCache, TokenTableCache
 from kvstack.policies import H2O, SnapKV
+from spec_tests.tiny import TINY_LLAMA
 
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=256,
-    max_position_embeddings=1024,
-)
+TINY = {**TINY_LLAMA, "max_position_embeddings": 1024}
 HEAD_DIM = 16
 BLOCK_BYTES = 16 * 2 * HEAD_DIM * 2 * 4  # block_size x KV heads x head_dim x (K, V) x fp32
 

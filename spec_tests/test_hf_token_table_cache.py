@@ -13,16 +13,9 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from kvstack.errors import InvalidArgumentError, KVStackError
 from kvstack.hf import PagedCache, TokenTableCache
 from kvstack.policies import H2O, TOVA, RandomEviction, Scissorhands, SnapKV, StreamingLLM
+from spec_tests.tiny import TINY_LLAMA
 
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=256,
-    max_position_embeddings=512,
-)
+TINY = {**TINY_LLAMA, "max_position_embeddings": 512}
 POLICIES = {
     "h2o": lambda: H2O(),
     "scissorhands": lambda: Scissorhands(history=8, recent_tokens=4),

@@ -19,16 +19,9 @@ from kvstack.hf import TokenTableCache
 from kvstack.models import TINY_HYBRIDS, tiny_hybrid_config
 from kvstack.policies import H2O, SnapKV
 from kvstack.serve import CacheSpec, Engine, Sampling
+from spec_tests.tiny import TINY_LLAMA
 
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=256,
-    max_position_embeddings=1024,
-)
+TINY = {**TINY_LLAMA, "max_position_embeddings": 1024}
 BLOCK_BYTES = (
     16 * 2 * 16 * 2 * 4
 )  # a whole-row block: 16 tokens x 2 KV heads x dim 16 x K, V x fp32

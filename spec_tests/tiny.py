@@ -1,0 +1,21 @@
+"""The tiny model most tests build: a two-layer GQA Llama that runs in seconds on a CPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+TINY_LLAMA: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,  # 2 query heads per KV head: every test exercises GQA
+    num_key_value_heads=2,
+    vocab_size=256,
+)
+
+
+def tiny_llama_config(**overrides: Any):
+    """A ``LlamaConfig`` of ``TINY_LLAMA`` with ``overrides`` on top."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**{**TINY_LLAMA, **overrides})
