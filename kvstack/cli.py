@@ -7,6 +7,8 @@
     kvstack figures [--check]                render the README's figure tables from those files;
                                              --check: fail if one differs or is stale
     kvstack ops                              the op registry: which backends run here, or why not
+    kvstack calibrate --ratio R --out FILE [--model-path M] [--samples N] ...
+                                             per-KV-head budgets from pilot samples (Tangram)
     kvstack demo [--policy P] [--budget N | --ratio R] [--quick] ...
                                              one long prompt through DynamicCache, PagedCache and
                                              TokenTableCache on SmolLM2: memory and speed table
@@ -82,6 +84,8 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     commands.add_parser("ops", help="list every operation and backend: available, or why not")
+
+    _add_calibrate_parser(commands)
 
     _add_demo_parser(commands)
     return parser
@@ -191,6 +195,104 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_calibrate_parser(commands: Any) -> None:
+    from kvstack.calibrate import (
+        DEFAULT_ALPHA,
+        DEFAULT_FLOOR,
+        DEFAULT_SAMPLE_TOKENS,
+        DEFAULT_WINDOW,
+    )
+
+    calibrate = commands.add_parser(
+        "calibrate",
+        help="measure per-KV-head budgets on pilot samples (Tangram) and write a head profile",
+    )
+    calibrate.add_argument(
+        "--model-path",
+        type=Path,
+        help="a local Hugging Face causal LM directory (default: SmolLM2-135M-Instruct)",
+    )
+    calibrate.add_argument("--samples", type=int, default=50, help="pilot samples (%(default)s)")
+    calibrate.add_argument(
+        "--ratio",
+        type=float,
+        required=True,
+        help="the fraction of each layer's tokens the allocation keeps, in (0, 1]",
+    )
+    calibrate.add_argument("--out", type=Path, required=True, help="the profile file to write")
+    calibrate.add_argument(
+        "--alpha",
+        type=float,
+        default=DEFAULT_ALPHA,
+        help="budget = min(1, mean + alpha * std) of a head's shares (%(default)s)",
+    )
+    calibrate.add_argument(
+        "--sample-tokens",
+        type=int,
+        default=DEFAULT_SAMPLE_TOKENS,
+        help="tokens per pilot sample (%(default)s)",
+    )
+    calibrate.add_argument(
+        "--window", type=int, default=DEFAULT_WINDOW, help="SnapKV's observation window"
+    )
+    calibrate.add_argument(
+        "--floor",
+        type=float,
+        default=DEFAULT_FLOOR,
+        help="the part of an even split every head keeps first (%(default)s)",
+    )
+    calibrate.add_argument("--seed", type=int, default=0, help="pilot sample order (%(default)s)")
+    calibrate.set_defaults(calibrate_parser=calibrate)  # for usage errors found after parsing
+
+
+def _run_calibrate(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from kvstack.calibrate import (
+        DEFAULT_KERNEL_SIZE,
+        calibrate,
+        check_calibration_args,
+        pilot_samples,
+    )
+    from kvstack.demo import load_model
+    from kvstack.errors import InvalidArgumentError
+
+    # Every rule that needs no model is checked first: a usage error (exit status 2), no load.
+    try:
+        check_calibration_args(
+            args.samples,
+            args.ratio,
+            args.alpha,
+            args.window,
+            DEFAULT_KERNEL_SIZE,
+            args.floor,
+            args.sample_tokens,
+        )
+    except InvalidArgumentError as error:
+        args.calibrate_parser.error(str(error))
+    model, tokenizer, name = load_model(args.model_path)
+    samples = pilot_samples(tokenizer, args.samples, args.sample_tokens, seed=args.seed)
+    with tqdm(total=len(samples), desc=f"calibrating {name}", unit="sample") as bar:
+        profile = calibrate(
+            model,
+            samples,
+            args.ratio,
+            alpha=args.alpha,
+            window=args.window,
+            floor=args.floor,
+            progress=lambda done, total: bar.update(1),
+        )
+    profile.save(args.out)
+    stability = profile.calibration
+    print(
+        f"{args.out}: {profile.num_layers} layers x {profile.num_kv_heads} KV heads, mean budget "
+        f"{stability['mean_budget']:.3f} at ratio {args.ratio:g} (alpha {args.alpha:g}); head "
+        f"ranking vs the other samples: Spearman mean {stability['spearman_mean']:.3f}, "
+        f"min {stability['spearman_min']:.3f}"
+    )
+    return 0
+
+
 def _run_bench(name: str, out: Path, quick: bool, argv: Sequence[str]) -> int:
     """Run benchmark ``name`` (a key of BENCH_SUITES) into ``out`` and print its report."""
     import importlib
@@ -209,6 +311,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_bench(args.suite, args.out, args.quick, argv)
     if args.command == "demo":
         return _run_demo(args)
+    if args.command == "calibrate":
+        return _run_calibrate(args)
     if args.command == "figures":
         from kvstack.bench.figures import main as figures_main
 
