@@ -57,6 +57,7 @@ DEPENDS_ON = (
     "bench/kvpress_worker.py",
     "bench/vtoken.py",
     "bench/prompts.py",
+    "bench/timing.py",
     "bench/data",
 )
 KVPRESS_VERSION = "0.5.5"
