@@ -84,7 +84,7 @@ class HeadProfile:
     calibration: dict[str, Any]  # samples, tokens, window, kernel_size, floor, stability
 
     def __post_init__(self) -> None:
-        _check_budgets(self.budgets)
+        check_budgets(self.budgets)
 
     @property
     def num_layers(self) -> int:
@@ -191,7 +191,10 @@ def _table(value: Any, name: str, where: str) -> tuple[tuple[float, ...], ...]:
         raise ProfileError(f"{where}: {name} holds a value that is not a number") from None
 
 
-def _check_budgets(budgets: Sequence[Sequence[float]]) -> None:
+def check_budgets(budgets: Sequence[Sequence[float]]) -> None:
+    """Raise InvalidArgumentError unless every budget is a fraction in (0, 1]."""
+    if not budgets or not all(len(row) for row in budgets):
+        raise InvalidArgumentError("budgets must hold at least one layer of at least one head")
     for layer, row in enumerate(budgets):
         for head, budget in enumerate(row):
             if not (math.isfinite(budget) and 0.0 < budget <= 1.0):
