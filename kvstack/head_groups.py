@@ -42,7 +42,9 @@ def group_heads(
     budgets: Sequence[Sequence[float]], heads_per_group: int, order: str = "sorted"
 ) -> list[list[HeadGroup]]:
     """Each layer's head groups: heads sorted by budget (highest first) or by index
-    (``"adjacent"``), chunked into groups of ``heads_per_group`` (the last may be smaller)."""
+    (``"adjacent"``), chunked into groups of ``heads_per_group``. When the heads do not split
+    evenly, one group is short: last for adjacent heads; for sorted heads, wherever it makes the
+    layer reserve least (the first of those places on a tie)."""
     check_budgets(budgets)
     if not (isinstance(heads_per_group, int) and heads_per_group >= 1):
         raise InvalidArgumentError(f"heads_per_group must be an int >= 1, got {heads_per_group!r}")
@@ -53,12 +55,41 @@ def group_heads(
         heads = list(range(len(row)))
         if order == "sorted":
             heads.sort(key=lambda head: (-row[head], head))  # ties by index: deterministic
+        sizes = _group_sizes(len(heads), heads_per_group)
+        if order == "sorted":
+            sizes = min(_placements(sizes), key=lambda layout: _reserved(row, heads, layout))
+        ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
+        starts = [0, *ends[:-1]]
         groups = []
-        for start in range(0, len(heads), heads_per_group):
-            members = tuple(heads[start : start + heads_per_group])
+        for start, end in zip(starts, ends, strict=True):
+            members = tuple(heads[start:end])
             groups.append(HeadGroup(layer, members, max(row[head] for head in members)))
         layers.append(groups)
     return layers
+
+
+def _group_sizes(num_heads: int, heads_per_group: int) -> list[int]:
+    """Full groups, then the short one (if the heads do not split evenly)."""
+    full, short = divmod(num_heads, heads_per_group)
+    return [heads_per_group] * full + ([short] if short else [])
+
+
+def _placements(sizes: list[int]) -> list[list[int]]:
+    """Every order of the group sizes that moves the short group (the last) to another place.
+    Which place is best depends on the budgets: a group reserves len x its largest budget."""
+    if len(sizes) < 2 or sizes[-1] == sizes[0]:
+        return [sizes]
+    full, short = sizes[:-1], sizes[-1]
+    return [full[:place] + [short] + full[place:] for place in range(len(sizes))]
+
+
+def _reserved(row: Sequence[float], heads: Sequence[int], sizes: Sequence[int]) -> float:
+    """What chunking ``heads`` (in this order) by ``sizes`` reserves."""
+    total, start = 0.0, 0
+    for size in sizes:
+        total += size * max(row[head] for head in heads[start : start + size])
+        start += size
+    return total
 
 
 def overallocation(
