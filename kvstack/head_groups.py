@@ -6,8 +6,12 @@ group reserves ``len(group) * max(budget)`` of a full head's KV per head slot. S
 heads of similar budget together, which keeps that reservation close to the sum of the budgets;
 grouping adjacent heads (by index) is the baseline that shows why.
 
-The ahead-of-time work partition (per layer, tau = sum of budgets / workers, and max(1,
-round(group budget / tau)) KV splits per group) comes with the ragged attention that runs it.
+Load balancing: per layer, tau = (sum of budgets) / workers, and each group gets max(1,
+round(group budget / tau)) KV splits (``plan_ahead_of_time``): a static work list, computed once
+and reused at every step and batch size, since budgets are fractions of a sequence.
+``plan_per_step``, the baseline, splits the exact work of the batch at hand at every step.
+``run_in_launch_order`` gives each worker's load when the splits run the way a GPU hands out
+thread blocks, and ``imbalance`` is max / mean of those loads.
 
 Everything here is plain Python over the profile's numbers (no tensors): it runs once, before
 serving, and its output is data for the ragged attention.
@@ -15,6 +19,8 @@ serving, and its output is data for the ragged attention.
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -99,3 +105,96 @@ def overallocation(
     needed = sum(sum(row) for row in budgets)
     reserved = sum(group.reserved for layer in groups for group in layer)
     return reserved / needed - 1.0
+
+
+# --------------------------------------------------------------------------- load balancing
+@dataclass(frozen=True)
+class Split:
+    """One KV split of one head group: its table's key range ``[start, end)``, as fractions."""
+
+    layer: int
+    group: int  # index into the layer's groups
+    start: float
+    end: float
+
+    def work(self, groups: Sequence[Sequence[HeadGroup]], length: int) -> float:
+        """Keys this split reads for a sequence of ``length`` tokens (all its group's heads)."""
+        group = groups[self.layer][self.group]
+        return group.reserved * length * (self.end - self.start)
+
+
+def plan_ahead_of_time(groups: Sequence[Sequence[HeadGroup]], workers: int) -> list[list[Split]]:
+    """Tangram's static work list, per layer: tau = (the layer's reservation) / ``workers``, and
+    a group reserving G gets max(1, round(G / tau)) equal splits, so every split reads about
+    tau of a sequence. Budgets are fractions of a sequence, so the list serves every length and
+    batch size unchanged. (tau is the issue's sum of budgets / workers with each group counted
+    at its reservation: sorted groups reserve within a few percent of their budgets.)"""
+    if not (isinstance(workers, int) and workers >= 1):
+        raise InvalidArgumentError(f"workers must be an int >= 1, got {workers!r}")
+    plan = []
+    for layer_groups in groups:
+        tau = sum(group.reserved for group in layer_groups) / workers
+        splits = []
+        for index, group in enumerate(layer_groups):
+            count = max(1, round(group.reserved / tau))
+            splits += [
+                Split(group.layer, index, part / count, (part + 1) / count) for part in range(count)
+            ]
+        plan.append(splits)
+    return plan
+
+
+def run_in_launch_order(works: Sequence[float], workers: int) -> list[float]:
+    """Each worker's load when ``works`` are launched in order and each goes to the worker that
+    frees first (how a GPU hands thread blocks to its multiprocessors)."""
+    if not (isinstance(workers, int) and workers >= 1):
+        raise InvalidArgumentError(f"workers must be an int >= 1, got {workers!r}")
+    loads = [(0.0, worker) for worker in range(workers)]  # (busy until, worker): a min-heap
+    for work in works:
+        load, worker = heapq.heappop(loads)
+        heapq.heappush(loads, (load + work, worker))
+    return [load for load, _ in sorted(loads, key=lambda pair: pair[1])]
+
+
+def plan_per_step(
+    groups: Sequence[HeadGroup], lengths: Sequence[int], workers: int, block_size: int = 1
+) -> list[float]:
+    """The baseline: at every step, split the exact work of the batch at hand, FlashInfer's
+    way. Each (sequence, group) reads ``len(heads) * ceil(budget * length / block) * block``
+    keys; the chunk size is the smallest multiple of ``block_size`` that cuts all of them into
+    at most ``workers`` pieces (one wave). Returns the pieces' works, longest first."""
+    if not (isinstance(workers, int) and workers >= 1):
+        raise InvalidArgumentError(f"workers must be an int >= 1, got {workers!r}")
+    if not (isinstance(block_size, int) and block_size >= 1):
+        raise InvalidArgumentError(f"block_size must be an int >= 1, got {block_size!r}")
+    keys = [
+        math.ceil(group.budget * length / block_size) * block_size
+        for length in lengths
+        for group in groups
+    ]
+    heads = [len(group.heads) for _ in lengths for group in groups]
+    if len(keys) > workers:  # more tables than workers: one piece each
+        chunk = max(keys)
+    else:
+        low, high = 1, max(1, math.ceil(max(keys) / block_size))  # in blocks
+        while low < high:  # the fewest blocks per chunk that fit one wave
+            middle = (low + high) // 2
+            if sum(math.ceil(k / (middle * block_size)) for k in keys) <= workers:
+                high = middle
+            else:
+                low = middle + 1
+        chunk = low * block_size
+    pieces = []
+    for table_keys, table_heads in zip(keys, heads, strict=True):
+        full, rest = divmod(table_keys, chunk)
+        pieces += [float(table_heads * chunk)] * full + (
+            [float(table_heads * rest)] if rest else []
+        )
+    return sorted(pieces, reverse=True)
+
+
+def imbalance(loads: Sequence[float]) -> float:
+    """max / mean of the workers' loads (1 is perfect balance)."""
+    if not loads or sum(loads) <= 0:
+        raise InvalidArgumentError(f"loads must hold a positive total, got {list(loads)!r}")
+    return max(loads) * len(loads) / sum(loads)

@@ -1,6 +1,9 @@
-"""Tangram's head groups: properties over random budgets, a known layer, and bad input."""
+"""Tangram's head groups and work lists: properties over random budgets, known cases, bad
+input."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 from hypothesis import given
@@ -71,6 +74,63 @@ def test_overallocation_of_a_known_layer():
         assert hg.overallocation([row], hg.group_heads([row], 2)) == pytest.approx(0.0)
 
 
+@given(budgets=profiles, heads_per_group=st.integers(1, 4), workers=st.integers(1, 160))
+def test_the_ahead_of_time_list_tiles_every_group_in_about_tau_sized_splits(
+    budgets, heads_per_group, workers
+):
+    groups = hg.group_heads(budgets, heads_per_group)
+    plan = hg.plan_ahead_of_time(groups, workers)
+    for layer_groups, splits in zip(groups, plan, strict=True):
+        tau = sum(g.reserved for g in layer_groups) / workers
+        for index, group in enumerate(layer_groups):
+            mine = [s for s in splits if s.group == index]
+            assert len(mine) == max(1, round(group.reserved / tau))
+            assert mine[0].start == 0.0 and mine[-1].end == 1.0
+            assert all(a.end == b.start for a, b in zip(mine, mine[1:], strict=False))
+        total = sum(split.work(groups, 1000) for split in splits)
+        assert total == pytest.approx(1000 * sum(g.reserved for g in layer_groups))
+
+
+@given(
+    works=st.lists(st.floats(0.0, 100.0, allow_nan=False), min_size=1, max_size=40),
+    workers=st.integers(1, 12),
+)
+def test_launch_order_keeps_the_work_and_the_list_scheduling_bound(works, workers):
+    loads = hg.run_in_launch_order(works, workers)
+    assert len(loads) == workers
+    assert sum(loads) == pytest.approx(sum(works))
+    assert max(loads) <= sum(works) / workers + max(works) + 1e-9
+    if sum(works) > 0:
+        assert hg.imbalance(loads) >= 1.0 - 1e-12
+
+
+def test_equal_splits_filling_every_worker_are_perfectly_balanced():
+    assert hg.imbalance(hg.run_in_launch_order([2.0] * 12, 4)) == 1.0
+    # five splits on four workers: one runs two, loads [4, 2, 2, 2], max / mean = 4 / 2.5
+    assert hg.imbalance(hg.run_in_launch_order([2.0] * 5, 4)) == pytest.approx(1.6)
+
+
+@given(
+    budgets=profiles,
+    lengths=st.lists(st.integers(1, 4096), min_size=1, max_size=8),
+    workers=st.integers(1, 64),
+    block_size=st.sampled_from([1, 16]),
+)
+def test_the_per_step_plan_cuts_exactly_the_batchs_work_into_one_wave(
+    budgets, lengths, workers, block_size
+):
+    groups = hg.group_heads(budgets, 2)[0]
+    pieces = hg.plan_per_step(groups, lengths, workers, block_size)
+    expected = sum(
+        len(g.heads) * math.ceil(g.budget * n / block_size) * block_size
+        for n in lengths
+        for g in groups
+    )
+    assert sum(pieces) == pytest.approx(expected)
+    assert len(pieces) <= max(workers, len(lengths) * len(groups))
+    assert pieces == sorted(pieces, reverse=True)
+
+
 @pytest.mark.parametrize(
     "call, match",
     [
@@ -79,6 +139,11 @@ def test_overallocation_of_a_known_layer():
         (lambda: hg.group_heads([], 1), "at least one layer"),
         (lambda: hg.group_heads([[0.5]], 0), "heads_per_group must be"),
         (lambda: hg.group_heads([[0.5]], 1, "random"), "order must be one of"),
+        (lambda: hg.plan_ahead_of_time(hg.group_heads([[0.5]], 1), 0), "workers must be"),
+        (lambda: hg.run_in_launch_order([1.0], 0), "workers must be"),
+        (lambda: hg.plan_per_step(hg.group_heads([[0.5]], 1)[0], [8], 0), "workers must be"),
+        (lambda: hg.plan_per_step(hg.group_heads([[0.5]], 1)[0], [8], 4, 0), "block_size must"),
+        (lambda: hg.imbalance([0.0, 0.0]), "positive total"),
     ],
 )
 def test_bad_input_is_refused(call, match):
