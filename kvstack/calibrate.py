@@ -7,7 +7,10 @@ dozen pilot samples, and fixed before serving. For each pilot sample:
 1. One forward pass with eager attention. For each layer, SnapKV's score of every key that is
    not in the observation window: the attention it gets from the last ``window`` queries, summed
    over those queries and over the query heads that read its KV head, then max-pooled over
-   ``kernel_size`` neighbours (kvstack.policies.SnapKV scores the same way).
+   ``kernel_size`` neighbours: the paper's score, once, from the sample's last ``window``
+   queries. (kvstack.policies.SnapKV scores this way too, but its window hops through the query
+   stream as decoding goes on, so at the end of a prompt it reads ``window`` to
+   ``2 * window - 1`` queries.)
 2. AdaKV's allocation of the layer's budget, ``ratio`` x (candidate keys) x (KV heads): every
    head first keeps its own ``floor`` share of an even split (its highest-scoring keys); the rest
    goes to the highest scores across the layer's heads. A head's share is the fraction of its

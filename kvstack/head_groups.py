@@ -101,7 +101,9 @@ def _reserved(row: Sequence[float], heads: Sequence[int], sizes: Sequence[int]) 
 def overallocation(
     budgets: Sequence[Sequence[float]], groups: Sequence[Sequence[HeadGroup]]
 ) -> float:
-    """What the groups reserve beyond the sum of the budgets, as a fraction of that sum."""
+    """What the groups' tables would reserve beyond the sum of the budgets, as a fraction of
+    that sum: a count from the budgets alone (no block rounding, no tensors). The real bytes are
+    the arena's, once ragged pages hold these groups."""
     needed = sum(sum(row) for row in budgets)
     reserved = sum(group.reserved for layer in groups for group in layer)
     return reserved / needed - 1.0
