@@ -1,7 +1,7 @@
 """The ``kvstack`` command.
 
     kvstack bench SUITE --out DIR [--quick]  run a benchmark (core, vtoken, quality, arena,
-                                             serve, kvpress, gpu): its report under DIR,
+                                             serve, kvpress, tangram, gpu): its report under DIR,
                                              its results (full runs) in
                                              bench/results/SUITE.json, to be committed
     kvstack figures [--check]                render the README's figure tables from those files;
@@ -49,6 +49,11 @@ BENCH_SUITES = {
         "evicting prefill against kvpress's same presses, side by side (SmolLM2; needs "
         "`make kvpress-env`)",
         "two prompts",
+    ),
+    "tangram": (
+        "calibrated per-head budgets: head-group overallocation, work-list balance and planning "
+        "time (SmolLM2)",
+        "three short pilot samples",
     ),
     "gpu": ("generate speed on a CUDA device (SmolLM2 architecture)", "eight new tokens"),
 }
