@@ -58,6 +58,7 @@ bench: install
 	OMP_NUM_THREADS=1 $(BIN)/kvstack bench serve --out bench_results/serve
 	$(MAKE) kvpress-env
 	OMP_NUM_THREADS=1 $(BIN)/kvstack bench kvpress --out bench_results/kvpress
+	OMP_NUM_THREADS=1 $(BIN)/kvstack bench tangram --out bench_results/tangram
 	$(BIN)/kvstack figures
 
 figures: install

@@ -1,0 +1,105 @@
+"""The Tangram benchmark's measures: overallocation by grouping, the planners' balance, the AoT
+list's key ranges, the DynamicCache step it divides by, and its README table."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from kvstack.bench.tangram import (
+    decode_step_seconds,
+    key_ranges,
+    layer_imbalances,
+    overallocations,
+    readme_tables,
+    split_fractions,
+)
+from kvstack.head_groups import group_heads, plan_ahead_of_time
+from spec_tests.tiny import tiny_llama_config
+
+# Two layers of four heads whose budgets pair up when sorted: adjacent pairs mix high and low.
+BUDGETS = ((0.9, 0.1, 0.8, 0.2), (0.5, 0.5, 0.25, 0.25))
+
+
+def test_sorted_groups_reserve_less_than_adjacent_ones():
+    result = overallocations(BUDGETS, 2)
+    total = sum(map(sum, BUDGETS))
+    # sorted: (0.9, 0.8) (0.2, 0.1) | (0.5, 0.5) (0.25, 0.25); adjacent: (0.9, 0.1) (0.8, 0.2) ...
+    assert result["sorted"] == pytest.approx((2 * 0.9 + 2 * 0.2 + 1.0 + 0.5) / total - 1)
+    assert result["adjacent"] == pytest.approx((2 * 0.9 + 2 * 0.8 + 1.0 + 0.5) / total - 1)
+    assert result["sorted"] < result["adjacent"]
+    assert overallocations(BUDGETS, 1) == {"sorted": 0.0, "adjacent": 0.0}
+
+
+def test_equal_budgets_balance_perfectly_on_both_planners():
+    budgets = ((0.5,) * 4,) * 2
+    groups = group_heads(budgets, 2)
+    result = layer_imbalances(groups, [64] * 8, workers=8, block_size=1)
+    assert result["aot"] == pytest.approx([1.0, 1.0])
+    assert result["per_step"] == pytest.approx([1.0, 1.0])
+
+
+def test_an_uneven_batch_unbalances_the_one_wave_planner_but_not_the_aot_list():
+    groups = group_heads(BUDGETS, 2)
+    result = layer_imbalances(groups, [1000, 37, 400, 5], workers=16, block_size=1)
+    assert all(value >= 1.0 for values in result.values() for value in values)
+    assert max(result["aot"]) < min(result["per_step"])
+
+
+def test_key_ranges_scale_every_split_by_every_length():
+    plan = plan_ahead_of_time(group_heads(BUDGETS, 2), 4)
+    fractions = split_fractions(plan)
+    lengths = [100, 7]
+    ranges = key_ranges(fractions, torch.tensor(lengths))
+    expected = [
+        [(math.floor(s.start * n), math.floor(s.end * n)) for n in lengths]
+        for splits in plan
+        for s in splits
+    ]
+    assert ranges.tolist() == [[list(pair) for pair in row] for row in expected]
+    # Each sequence's splits of one group cover its keys exactly once.
+    assert ranges[:, 0, 0].min() == 0 and ranges[:, 0, 1].max() == 100
+
+
+def test_the_decode_step_is_timed_on_a_left_padded_batch():
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config()).eval()
+    seconds = decode_step_seconds(model, [[1, 2, 3], [4, 5, 6, 7, 8]], repeats=2)
+    assert 0 < seconds < 10
+
+
+def test_the_readme_table_names_the_headline_figures_and_the_calibration():
+    figure = {"value": 0.01, "unit": "percent", "target": None, "met": None, "description": ""}
+    names = (
+        "tangram.overallocation.sorted",
+        "tangram.imbalance.aot",
+        "tangram.plan_time_fraction.per_step",
+        "tangram.calibration.spearman_mean",
+        "tangram.calibration.spearman_min",
+        "tangram.calibration.mean_budget",
+        "tangram.decode_step_ms.dynamic",
+    )
+    results = {
+        "figures": {name: dict(figure) for name in names},
+        "workload": {
+            "model": "m",
+            "dtype": "torch.float32",
+            "device": "cpu",
+            "samples": 50,
+            "sample_tokens": 1024,
+            "ratio": 0.25,
+            "alpha": 2.0,
+            "calibration_seconds": 600.0,
+            "heads_per_group": 2,
+            "workers": 132,
+            "batch": 16,
+            "trace": "t",
+        },
+    }
+    table = readme_tables(results)["tangram"]
+    assert "`tangram.overallocation.sorted`" in table and "`tangram.imbalance.aot`" in table
+    assert "`tangram.decode_step_ms.dynamic`" not in table  # the record stays in the file
+    assert "50 pilot samples of 1024 tokens" in table
