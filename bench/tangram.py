@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstack.bench.suite import Figure, Measured, figure_table, format_value, run_suite
+from kvstack.bench.timing import time_interleaved
 
 NAME = "tangram"
 DEPENDS_ON = (
@@ -48,6 +49,7 @@ DEPENDS_ON = (
     "kvstack/data",
     "kvstack/demo.py",  # load_model
     "bench/tangram.py",
+    "bench/timing.py",
     "bench/prompts.py",
     "bench/data",
 )
@@ -60,8 +62,7 @@ WORKERS = 132  # multiprocessors of an H200
 BATCH, MAX_CONTEXT, TRACE_SEED = 16, 2048, 0  # the serve benchmark's trace
 QUICK_BATCH = 4
 BLOCK_SIZE = 16
-PLAN_REPEATS, STEP_REPEATS = 200, 10
-QUICK_PLAN_REPEATS, QUICK_STEP_REPEATS = 5, 2
+REPEATS, QUICK_REPEATS = 20, 2  # interleaved rounds: each plans once and decodes a step
 
 
 # --------------------------------------------------------------------------- the figures
@@ -112,19 +113,9 @@ def key_ranges(fractions: Any, lengths: Any) -> Any:
     return (fractions[:, None, :] * lengths[None, :, None]).floor_().long()
 
 
-def median_seconds(call: Callable[[], Any], repeats: int) -> float:
-    call()  # warm
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def decode_step_seconds(model: Any, prompts: Sequence[Sequence[int]], repeats: int) -> float:
-    """Median seconds of one greedy decode step of ``prompts`` as one left-padded batch through
-    ``DynamicCache`` (sdpa), after its prefill."""
+def decode_step(model: Any, prompts: Sequence[Sequence[int]]) -> Callable[[], Any]:
+    """Prefill ``prompts`` as one left-padded batch into a ``DynamicCache`` (sdpa); return a
+    function that runs the batch's next greedy decode step and returns its tokens [B, 1]."""
     import torch
     from transformers import DynamicCache
 
@@ -135,19 +126,22 @@ def decode_step_seconds(model: Any, prompts: Sequence[Sequence[int]], repeats: i
     for row, prompt in enumerate(prompts):
         ids[row, width - len(prompt) :] = torch.tensor(prompt)
         mask[row, width - len(prompt) :] = 1
-    times = []
+    cache = DynamicCache(config=model.config)
     with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
         out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-        token = out.logits[:, -1].argmax(dim=-1, keepdim=True)  # [B, 1]
-        for step in range(repeats + 1):
-            mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=torch.long)], dim=1)
-            start = time.perf_counter()
-            out = model(input_ids=token, attention_mask=mask, past_key_values=cache)
-            token = out.logits[:, -1].argmax(dim=-1, keepdim=True)
-            if step:  # the first decode step is a warm-up
-                times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    state = {"token": out.logits[:, -1].argmax(dim=-1, keepdim=True), "mask": mask}
+
+    def step() -> Any:
+        with torch.inference_mode():
+            ones = torch.ones(len(prompts), 1, dtype=torch.long)
+            state["mask"] = torch.cat([state["mask"], ones], dim=1)  # [B, T + 1]
+            out = model(
+                input_ids=state["token"], attention_mask=state["mask"], past_key_values=cache
+            )
+            state["token"] = out.logits[:, -1].argmax(dim=-1, keepdim=True)  # [B, 1]
+        return state["token"]
+
+    return step
 
 
 # --------------------------------------------------------------------------- the run
@@ -218,20 +212,23 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         )
 
     log("planning time per step, and one DynamicCache decode step of the batch")
-    plan_repeats = QUICK_PLAN_REPEATS if quick else PLAN_REPEATS
     fractions = split_fractions(plan_ahead_of_time(groups, WORKERS))
-    aot_once = median_seconds(lambda: plan_ahead_of_time(groups, WORKERS), plan_repeats)
     batch_lengths = torch.tensor(lengths)
-    aot_step = median_seconds(lambda: key_ranges(fractions, batch_lengths), plan_repeats)
-    per_step = median_seconds(
-        lambda: [plan_per_step(layer, lengths, WORKERS, 1) for layer in groups],
-        plan_repeats,
-    )
     # Prompts of the trace's lengths, cut from the pilot text (a step's time depends on the
     # lengths only).
     text = samples[0][0].tolist()
     prompts = [[text[i % len(text)] for i in range(r.prompt_tokens)] for r in trace]
-    step = decode_step_seconds(model, prompts, QUICK_STEP_REPEATS if quick else STEP_REPEATS)
+    timings = time_interleaved(
+        {
+            "aot_once": lambda: plan_ahead_of_time(groups, WORKERS),
+            "aot_step": lambda: key_ranges(fractions, batch_lengths),
+            "per_step": lambda: [plan_per_step(layer, lengths, WORKERS, 1) for layer in groups],
+            "decode_step": decode_step(model, prompts),
+        },
+        repeats=QUICK_REPEATS if quick else REPEATS,
+    )
+    aot_once, aot_step = timings.median("aot_once"), timings.median("aot_step")
+    per_step, step = timings.median("per_step"), timings.median("decode_step")
     for kind, seconds in (("aot", aot_step), ("per_step", per_step)):
         figures[f"tangram.plan_time_fraction.{kind}"] = Figure(
             seconds / step,
@@ -275,7 +272,8 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         "lengths": lengths,
         "trace": f"kvstack.workloads.draw_trace({batch}, seed={TRACE_SEED}, "
         f"max_context={MAX_CONTEXT}), prompt + output tokens",
-        "plan_repeats": plan_repeats,
+        "repeats": QUICK_REPEATS if quick else REPEATS,
+        "timer": "kvstack.bench.timing.time_interleaved, median over rounds",
         "budgets": [list(row) for row in budgets],
     }
     return Measured(

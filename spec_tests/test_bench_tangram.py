@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from kvstack.bench.tangram import (
-    decode_step_seconds,
+    decode_step,
     key_ranges,
     layer_imbalances,
     overallocations,
@@ -64,11 +64,18 @@ def test_key_ranges_scale_every_split_by_every_length():
     assert ranges[:, 0, 0].min() == 0 and ranges[:, 0, 1].max() == 100
 
 
-def test_the_decode_step_is_timed_on_a_left_padded_batch():
+def test_the_timed_decode_step_continues_a_left_padded_batch_greedily():
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_llama_config()).eval()
-    seconds = decode_step_seconds(model, [[1, 2, 3], [4, 5, 6, 7, 8]], repeats=2)
-    assert 0 < seconds < 10
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    step = decode_step(model, prompts)
+    steps = [step().clone() for _ in range(3)]  # [B, 1] each
+    # The steps continue each prompt the way greedy generate does (second row unpadded).
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompts[1]]), max_new_tokens=4, do_sample=False, pad_token_id=0
+        )
+    assert [s[1, 0].item() for s in steps] == out[0, len(prompts[1]) + 1 :].tolist()
 
 
 def test_the_readme_table_names_the_headline_figures_and_the_calibration():
