@@ -14,7 +14,8 @@ Workloads (``workloads.py``), fp32, one decode step over shuffled token tables:
   table (the compiled decode kernel; the same shape at 4k) and one KV head per table (eager
   gathers + ``bmm``; SmolLM2's per-head tables under H2O at 50 %: 3 tables x 650 tokens, 3
   query heads, head_dim 64), each against the reference and contiguous SDPA;
-* the copy of a forced repack after 50 % random eviction (``copy_slots``, compiled) against a
+* the copy of a forced repack after 50 % random eviction (``copy_slots`` on the backend a repack
+  uses on CPU, the C++ one where it builds, and the compiled one for the record) against a
   plain contiguous copy of the same bytes.
 
 Every benchmark checks its output against the reference (the reference against contiguous
@@ -152,14 +153,20 @@ def test_decode_attention(benchmark, implementation, path):
 
 
 # --------------------------------------------------------------------------- repack copy
-@pytest.mark.parametrize("implementation", ["copy_slots", "plain_copy"])
+def copy_backend() -> str:
+    """The backend ``ops.get("copy_slots", device="cpu")`` gives: what a repack runs here."""
+    return ops.operations()["copy_slots"].backends("cpu")[0]
+
+
+@pytest.mark.parametrize("implementation", ["copy_slots", "compiled_copy_slots", "plain_copy"])
 def test_repack_copy(benchmark, implementation):
     _decode_workloads.clear()
     shape = QUICK_SEVERAL if quick() else SEVERAL_KV_HEADS
     w = build_repack(main_context(), shape)
     pool = w.pool
-    if implementation == "copy_slots":
-        copy_slots = ops.get("copy_slots", "compiled")
+    if implementation in ("copy_slots", "compiled_copy_slots"):
+        backend = copy_backend() if implementation == "copy_slots" else "compiled"
+        copy_slots = ops.get("copy_slots", backend)
 
         def call() -> None:
             # Idempotent: sources and destinations are disjoint (vToken I4), so every round
@@ -186,6 +193,7 @@ def test_repack_copy(benchmark, implementation):
             path="repack",
             implementation=implementation,
             evict_fraction=w.evict_fraction,
+            copy_slots_backend=copy_backend(),
             moved_rows=w.moved_rows,
             bytes_moved=w.bytes_moved,
         )

@@ -4,8 +4,10 @@
     attention = ops.get("paged_attention")               # fastest backend that loaded here
     attention = ops.get("paged_attention", "reference")  # the specification
 
-Backends, in order of preference: ``cuda`` (kvstack.cuda_kernels), ``compiled``
-(kvstack.compiled, torch.compile), ``reference`` (kvstack.reference, always there). A backend
+Backends, in order of preference: ``cuda`` (kvstack.cuda_kernels, CUDA tensors), ``cpp``
+(kvstack.cuda_kernels' C++ kernels for CPU tensors), ``compiled`` (kvstack.compiled,
+torch.compile), ``reference`` (kvstack.reference, always there). The first two run on one kind
+of device only: a caller whose tensors may live on either passes ``device`` to ``get``. A backend
 that cannot load is recorded with its reason (``ops.report()``) and asking for it raises
 ``BackendUnavailable`` with that reason; nothing is replaced silently. ``spec_tests`` iterates
 ``OPERATIONS`` so that every fast implementation is checked against its reference.
@@ -17,9 +19,13 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from kvstack.errors import BackendUnavailable, InvalidArgumentError
 
-BACKENDS = ("cuda", "compiled", "reference")
+BACKENDS = ("cuda", "cpp", "compiled", "reference")
+# The device types a backend's kernels take; a backend not named here takes any.
+BACKEND_DEVICES = {"cuda": "cuda", "cpp": "cpu"}
 
 
 @dataclass
@@ -29,8 +35,14 @@ class Operation:
     implementations: dict[str, Callable] = field(default_factory=dict)  # backend -> callable
     unavailable: dict[str, str] = field(default_factory=dict)  # backend -> why it did not load
 
-    def backends(self) -> list[str]:
-        return [b for b in BACKENDS if b in self.implementations]
+    def backends(self, device: torch.device | str | None = None) -> list[str]:
+        """The available backends, fastest first; with ``device``, those that run on it."""
+        kind = None if device is None else torch.device(device).type
+        return [
+            b
+            for b in BACKENDS
+            if b in self.implementations and (kind is None or BACKEND_DEVICES.get(b, kind) == kind)
+        ]
 
 
 # name -> (reference "module:function", compiled "module:function")
@@ -69,8 +81,16 @@ def _load() -> None:
     except BackendUnavailable as error:
         for op in OPERATIONS.values():
             op.unavailable["cuda"] = str(error)
+    try:
+        from kvstack import cuda_kernels
+
+        for name, fn in cuda_kernels.load_cpu().items():
+            OPERATIONS[name].implementations["cpp"] = fn
+    except BackendUnavailable as error:
+        for op in OPERATIONS.values():
+            op.unavailable["cpp"] = str(error)
     for op in OPERATIONS.values():
-        for backend in ("cuda", "compiled"):
+        for backend in ("cuda", "cpp", "compiled"):
             if backend not in op.implementations and backend not in op.unavailable:
                 op.unavailable[backend] = f"{backend} backend has no implementation of {op.name}"
 
@@ -80,14 +100,17 @@ def operations() -> dict[str, Operation]:
     return OPERATIONS
 
 
-def get(name: str, backend: str | None = None) -> Callable:
-    """The implementation of ``name`` on ``backend`` (None: the first available of BACKENDS)."""
+def get(
+    name: str, backend: str | None = None, *, device: torch.device | str | None = None
+) -> Callable:
+    """The implementation of ``name`` on ``backend`` (None: the first available of BACKENDS,
+    or with ``device`` the first that runs on that device)."""
     _load()
     if name not in OPERATIONS:
         raise InvalidArgumentError(f"name must be one of {sorted(OPERATIONS)}, got {name!r}")
     op = OPERATIONS[name]
     if backend is None:
-        return op.implementations[op.backends()[0]]
+        return op.implementations[op.backends(device)[0]]
     if backend not in BACKENDS:
         raise InvalidArgumentError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend not in op.implementations:

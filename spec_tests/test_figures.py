@@ -39,8 +39,21 @@ def _benchmark_json() -> dict:
     for path in ("several_kv_heads", "one_kv_head"):
         for implementation, ms in IMPLEMENTATIONS.items():
             add("decode_attention", path, implementation, 4096, ms)
-    for implementation, ms in (("copy_slots", 4.0), ("plain_copy", 2.0)):
-        add("copy_slots", "repack", implementation, 4096, ms, moved_rows=100, bytes_moved=8e6)
+    for implementation, ms in (
+        ("copy_slots", 4.0),
+        ("compiled_copy_slots", 8.0),
+        ("plain_copy", 2.0),
+    ):
+        add(
+            "copy_slots",
+            "repack",
+            implementation,
+            4096,
+            ms,
+            copy_slots_backend="cpp",
+            moved_rows=100,
+            bytes_moved=8e6,
+        )
     return {"benchmarks": benchmarks}
 
 
@@ -89,6 +102,8 @@ def test_core_ratios_come_from_the_medians():
     assert value["decode_attention.one_kv_head.compiled_over_reference"] == pytest.approx(10.0)
     assert value["repack.bandwidth_fraction"] == pytest.approx(0.5)  # half the plain copy's
     assert value["repack.copy_slots_gb_per_s"] == pytest.approx(8e6 / 1e9 / 4e-3)
+    assert value["repack.compiled_bandwidth_fraction"] == pytest.approx(0.25)
+    assert "cpp backend" in measured["repack.bandwidth_fraction"].description
     assert measured["repack.bandwidth_fraction"].met() is False  # target >= 0.7
     assert measured["paged_attention.compiled_over_reference"].met() is True  # >= 10
 

@@ -362,3 +362,29 @@ def test_stats_keys_are_the_documented_ones_with_their_units():
         assert stats["live_tokens_per_layer"] == per_layer
         assert stats["live_tokens_all_layers"] == per_layer * layers
     assert token_table_cache.STATS_UNITS.keys() - paged.STATS_UNITS.keys() == {"repack_seconds"}
+
+
+@pytest.mark.parametrize("name", ["h2o", "snapkv"])
+@pytest.mark.parametrize("announced", [False, True])
+def test_a_chunked_prefill_leaves_every_table_within_its_reservation(name, announced):
+    """Each prefill chunk's evictions leave as many holes as the chunk has tokens, more than
+    a decode ever refills; the cache repacks such a table at once, so that every table holds
+    at most one block beyond what its live tokens need (what ``blocks_to_reserve`` counts),
+    even where the holes are too few for the waste threshold to repack it (budget 128,
+    chunks of 32: a fifth of the blocks' slots)."""
+    model, ids = tiny_llama(), prompt(256)
+    cache = TokenTableCache(
+        model.config, POLICIES[name](), ratio=0.5, block_size=16, prefill_chunk=32
+    )
+    if announced:  # a serving engine's prefill: a chunk per call
+        cache.expect_prompt(ids.shape[1])
+        with torch.inference_mode():
+            for start in range(0, ids.shape[1], 32):
+                model(ids[:, start : start + 32], past_key_values=cache, use_cache=True)
+    else:
+        generate(model, ids, cache, max_new_tokens=3)
+    for layer in cache.paged_layers:
+        batch = layer.batch
+        for index in range(batch.num_tables):
+            needed = math.ceil(batch.num_live[index] / 16)
+            assert len(batch.blocks[index]) <= needed + 1, (layer.layer_idx, index)

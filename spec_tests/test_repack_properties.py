@@ -29,7 +29,9 @@ from kvstack.reference.token_table import TokenTable
 
 NUM_KV_HEADS = 2
 HEAD_DIM = 4
-COPY_BACKENDS = ["reference", "compiled"]
+# Every copy_slots that takes CPU tensors, the reference first: the C++ one too where it
+# builds (and it must, given a compiler: spec_tests/test_cpp_kernels.py).
+COPY_BACKENDS = ops.operations()["copy_slots"].backends("cpu")[::-1]
 
 LIVE, EVICT, NAIVE = "L", "E", "N"  # a token's fate: stays live, evicted, Naive-Evicted
 

@@ -55,9 +55,11 @@ def prompt(length: int, seed: int, vocab: int = 256) -> list[int]:
 _SOLO: dict = {}
 
 
-def solo(model, spec_name: str, ids: list[int], new_tokens: int) -> list[int]:
+def solo(
+    model, spec_name: str, ids: list[int], new_tokens: int, prefill_chunk: int = PREFILL_CHUNK
+) -> list[int]:
     """The request's tokens run alone through ``generate`` (memoised: hypothesis repeats them)."""
-    key = (spec_name, tuple(ids), new_tokens)
+    key = (id(model), spec_name, tuple(ids), new_tokens, prefill_chunk)
     if key not in _SOLO:
         spec = SPECS[spec_name]
         if spec.evicting:
@@ -68,7 +70,7 @@ def solo(model, spec_name: str, ids: list[int], new_tokens: int) -> list[int]:
                 budget=spec.budget,
                 ratio=spec.ratio,
                 reclaim=spec.reclaim,
-                prefill_chunk=PREFILL_CHUNK,
+                prefill_chunk=prefill_chunk,
             )
         else:
             model.set_attn_implementation("sdpa")
@@ -152,6 +154,36 @@ def test_a_tight_arena_preempts_the_newest_and_outputs_do_not_change(model, spec
     serving.run()
     assert serving.preemptions > 0
     assert sum(h.stats.preemptions for h in handles) == serving.preemptions
+    assert [h.output_ids for h in handles] == expected
+    assert serving.arena.bytes_used == 0
+
+
+@pytest.mark.parametrize("spec_name", ["h2o", "snapkv"])
+def test_evicting_prefills_over_steps_fit_their_admission_bytes(model, spec_name):
+    """A reclaiming cache is admitted with its tables at their budget plus one layer's chunk
+    in flight. Each chunk of its prefill evicts layer by layer, so a later chunk needs no more
+    than that: on an arena that holds exactly two admissions, two long prompts prefill a chunk
+    per step side by side and nobody is preempted (a step bound of a chunk in every layer,
+    eight layers of chunks of four blocks here, preempted the newest)."""
+    torch.manual_seed(0)
+    deep = LlamaForCausalLM(LlamaConfig(**{**TINY, "num_hidden_layers": 8})).eval()
+    deep.generation_config.eos_token_id = None
+    chunk = 64  # 4 blocks per table: more than a table's slack below its budget
+    requests = [(prompt(6 * chunk, seed=20 + i), 6) for i in range(3)]
+    expected = [solo(deep, spec_name, ids, n, prefill_chunk=chunk) for ids, n in requests]
+    probe = engine(deep, spec_name, 64 * BLOCK_BYTES, max_batch_tokens=chunk, prefill_chunk=chunk)
+    admission = max(probe.admission_bytes(len(ids)) for ids, _ in requests)
+    serving = engine(
+        deep, spec_name, 2 * admission, max_batch_tokens=2 * chunk, prefill_chunk=chunk
+    )
+    handles = [serving.submit(ids, n) for ids, n in requests]
+    most_running = steps = 0
+    while serving.has_work() and steps < 100:  # a preempted pair could retry forever
+        serving.step()
+        steps += 1
+        most_running = max(most_running, len(serving.running))
+    assert serving.preemptions == 0
+    assert most_running == 2
     assert [h.output_ids for h in handles] == expected
     assert serving.arena.bytes_used == 0
 

@@ -186,16 +186,23 @@ class TokenTableLayer(PagedLayer):
     def _repack_if_worth_it(self, index: int) -> None:
         batch = self.batch
         blocks = len(batch.blocks[index])
+        needed = math.ceil(batch.num_live[index] / self.block_size)
+        # The arena reservation (``blocks_to_reserve``) counts one spare block per table beyond
+        # what its live tokens need. A decode evicts one token and the next append fills its
+        # slot, so only a multi-token eviction (a prefill chunk's) leaves more holes than that:
+        # such a table is repacked whatever its waste, so the reservation holds.
+        over_reservation = blocks > needed + 1
         # plan_repack's own conditions, checked first so that most tables cost no copy.
-        if batch.waste(index) <= self.cache.repack_threshold or blocks <= math.ceil(
-            batch.num_live[index] / self.block_size
+        if blocks <= needed or (
+            not over_reservation and batch.waste(index) <= self.cache.repack_threshold
         ):
             return
         table = batch.table(index)
-        plan = plan_repack(table, threshold=self.cache.repack_threshold)
+        plan = plan_repack(table, threshold=self.cache.repack_threshold, force=over_reservation)
         if plan is None:
             return
-        execute_repack(table, self.pool, plan, copy=ops.get("copy_slots"))
+        copy = ops.get("copy_slots", device=self.pool.key.device)
+        execute_repack(table, self.pool, plan, copy=copy)
         batch.set_table(index, table)
         self.repacks += 1
 

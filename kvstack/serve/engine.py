@@ -389,8 +389,13 @@ class Engine:
     def _step_need(self, work: Work) -> Need:
         """Upper bound of the arena bytes ``work`` adds in this step."""
         request = work.request
-        if request.computed == 0 and self.spec.bounded:
-            return self._admission_need(len(request.prompt_ids))  # the prefill's peak
+        if self.spec.bounded and request.computed < len(request.prompt_ids):
+            # A chunk of an evicting prefill: each layer appends the chunk and evicts back to
+            # its budget before the next layer appends, so the step peaks at the admission
+            # bound (every table at its budget plus one layer's chunk in flight), not at a
+            # chunk in every layer. What the request holds already counts against that bound.
+            kept, held = self._kept_need(request), self._held_need(request)
+            return Need(max(0, kept.kv - held.kv), max(0, kept.state - held.state))
         if isinstance(request.cache, StackedKV):
             return Need(request.cache.blocks_needed(work.tokens) * self.geometry.block_bytes)
         state = self.state_bytes if request.computed == 0 else 0  # taken at its first step
