@@ -41,3 +41,14 @@ class DeadTokenError(KVStackError):
 
 class BackendUnavailable(KVStackError, RuntimeError):
     """A requested backend of an operation cannot run on this machine; the message says why."""
+
+
+class TierFull(KVStackError, MemoryError):
+    """A memory or disk tier cannot take a page: its budget is spent or the disk is full
+    (ENOSPC). The message names the tier, the bytes asked for and the bytes free; nothing was
+    written and no page changed its home."""
+
+
+class PageCorrupted(KVStackError):
+    """A page read back from disk does not match the checksum it was written with (or is not
+    a kvstack page file at all); the message names the file. Its bytes are never returned."""

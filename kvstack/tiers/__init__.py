@@ -1,0 +1,33 @@
+"""KV pages across device, host and disk (PersistentKV / KVDrive, with AsymCache's eviction).
+
+* ``DiskTier``: page files written with a checksum and an atomic rename (``disk``).
+* ``TieredStore``: one home and any number of copies per page, copy-then-switch moves, budgets
+  in bytes per tier, accounting of moves and hits (``store``).
+* Eviction rules that rank a full tier's pages: ``LRU``, ``AttentionAware``, ``CostAware``
+  (``eviction``).
+* ``Prefetcher``: the next layer's pages fetched on worker threads while a layer computes.
+* ``TieredCache``: a lossless Hugging Face cache over the tiers.
+"""
+
+from kvstack.tiers.cache import TieredCache, TieredLayer
+from kvstack.tiers.disk import DiskTier, decode_page, encode_page, page_nbytes
+from kvstack.tiers.eviction import LRU, RULES, TIERS, AttentionAware, CostAware, PageInfo
+from kvstack.tiers.prefetch import Prefetcher
+from kvstack.tiers.store import TieredStore
+
+__all__ = [
+    "LRU",
+    "RULES",
+    "TIERS",
+    "AttentionAware",
+    "CostAware",
+    "DiskTier",
+    "PageInfo",
+    "Prefetcher",
+    "TieredCache",
+    "TieredLayer",
+    "TieredStore",
+    "decode_page",
+    "encode_page",
+    "page_nbytes",
+]

@@ -1,0 +1,244 @@
+"""The disk tier: a directory of page files, each written with a checksum and an atomic rename.
+
+A page is a few named tensors (a KV block's ``k`` and ``v``, a hybrid layer's state). Its file:
+
+    MAGIC (8 bytes) | SHA-256 of everything after it (32) | header length (8, little endian)
+    | header (JSON: key, and each tensor's name, dtype, shape and byte count) | tensor bytes
+
+Why each piece:
+
+* **Atomic rename.** A page is written to a hidden temporary file in the same directory,
+  flushed and fsynced, then ``os.replace``d onto its name, and the directory is fsynced. A
+  process killed mid-write leaves only the temporary file, which the next ``DiskTier`` on the
+  directory deletes: a page name always holds a whole page, the last one written under it.
+* **Checksum.** Reading verifies the digest before any byte becomes a tensor, so a flipped bit
+  or a truncated file raises ``PageCorrupted`` instead of feeding wrong K/V to attention.
+* **Budget.** The tier holds at most ``capacity_bytes`` of page files; a write beyond it, or a
+  disk that reports ENOSPC, raises ``TierFull`` and leaves the tier as it was.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+import struct
+import uuid
+from pathlib import Path
+
+import torch
+
+from kvstack.errors import InvalidArgumentError, PageCorrupted, TierFull
+
+MAGIC = b"KVSPAGE1"
+DIGEST_BYTES = 32  # SHA-256
+PAGE_SUFFIX = ".page"
+TEMP_SUFFIX = ".tmp"
+# Page keys become file names: letters, digits, '_', '-', '.'; no leading dot (temporary files
+# are hidden) and no path separators.
+KEY_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,199}")
+
+Page = dict[str, torch.Tensor]
+
+
+def page_nbytes(page: Page) -> int:
+    """Bytes of the page's tensors (what a memory tier holds for it)."""
+    return sum(t.numel() * t.element_size() for t in page.values())
+
+
+def check_key(key: str) -> None:
+    if not isinstance(key, str) or KEY_PATTERN.fullmatch(key) is None:
+        raise InvalidArgumentError(
+            f"page key {key!r} is not usable as a file name; expected letters, digits, '_', "
+            "'-' or '.', starting with a letter or digit, at most 200 characters"
+        )
+
+
+def encode_page(key: str, page: Page) -> bytes:
+    """The page file's bytes (see the module docstring)."""
+    if not page:
+        raise InvalidArgumentError(f"page {key!r} has no tensors; expected at least one")
+    tensors, payload = [], []
+    for name, tensor in page.items():
+        flat = tensor.detach().to("cpu").contiguous().reshape(-1)  # [numel]
+        raw = flat.view(torch.uint8).numpy().tobytes()
+        tensors.append(
+            {
+                "name": name,
+                "dtype": str(tensor.dtype),
+                "shape": list(tensor.shape),
+                "nbytes": len(raw),
+            }
+        )
+        payload.append(raw)
+    header = json.dumps({"key": key, "tensors": tensors}).encode()
+    body = struct.pack("<Q", len(header)) + header + b"".join(payload)
+    return MAGIC + hashlib.sha256(body).digest() + body
+
+
+def decode_page(data: bytes, source: str) -> tuple[str, Page]:
+    """(key, page) from a page file's bytes; raises ``PageCorrupted`` naming ``source`` when the
+    bytes are not a whole page as written."""
+    head = len(MAGIC) + DIGEST_BYTES
+    if len(data) < head + 8 or data[: len(MAGIC)] != MAGIC:
+        raise PageCorrupted(f"{source}: not a kvstack page file (bad magic or truncated)")
+    digest, body = data[len(MAGIC) : head], data[head:]
+    actual = hashlib.sha256(body).digest()
+    if actual != digest:
+        raise PageCorrupted(
+            f"{source}: checksum mismatch (stored {digest.hex()[:16]}…, computed "
+            f"{actual.hex()[:16]}…); the page is not used"
+        )
+    (header_len,) = struct.unpack("<Q", body[:8])
+    header = json.loads(body[8 : 8 + header_len])
+    offset = 8 + header_len
+    page: Page = {}
+    for spec in header["tensors"]:
+        dtype = getattr(torch, spec["dtype"].removeprefix("torch."))
+        raw = bytearray(body[offset : offset + spec["nbytes"]])  # writable: frombuffer shares it
+        offset += spec["nbytes"]
+        if not raw:  # frombuffer refuses an empty buffer
+            page[spec["name"]] = torch.empty(spec["shape"], dtype=dtype)
+            continue
+        flat = torch.frombuffer(raw, dtype=torch.uint8).view(dtype)  # [numel]
+        page[spec["name"]] = flat.reshape(spec["shape"])
+    return header["key"], page
+
+
+def _write_all(handle, data: bytes) -> None:
+    """Write and flush to the device (the one place a full disk shows up: tests replace it to
+    simulate ENOSPC)."""
+    handle.write(data)
+    handle.flush()
+    os.fsync(handle.fileno())
+
+
+class DiskTier:
+    """Pages in files under ``path`` (created if missing), at most ``capacity_bytes`` of them.
+
+    Opening a directory that holds pages finds them (a new process resumes where the last one
+    stopped) and deletes temporary files that a killed write left behind."""
+
+    def __init__(self, path: str | os.PathLike, capacity_bytes: int) -> None:
+        if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
+            raise InvalidArgumentError(
+                f"capacity_bytes={capacity_bytes!r}; expected a positive number of bytes"
+            )
+        directory = Path(path)
+        try:
+            if not directory.exists():
+                directory.mkdir(parents=True)
+        except OSError as error:
+            raise InvalidArgumentError(
+                f"disk_path={str(directory)!r} cannot be created ({error.strerror}); expected a "
+                "writable directory"
+            ) from None
+        if not directory.is_dir() or not os.access(directory, os.W_OK | os.X_OK):
+            raise InvalidArgumentError(
+                f"disk_path={str(directory)!r} is not a writable directory; expected one the "
+                "process can create files in"
+            )
+        self.path = directory
+        self.capacity_bytes = capacity_bytes
+        self._sizes: dict[str, int] = {}  # key -> bytes of its file
+        for entry in directory.iterdir():
+            if entry.name.startswith(".") and entry.name.endswith(TEMP_SUFFIX):
+                entry.unlink(missing_ok=True)  # a write that never reached its rename
+            elif entry.name.endswith(PAGE_SUFFIX):
+                self._sizes[entry.name.removesuffix(PAGE_SUFFIX)] = entry.stat().st_size
+        if self.bytes_used > capacity_bytes:
+            raise InvalidArgumentError(
+                f"capacity_bytes={capacity_bytes} is less than the {self.bytes_used} bytes of "
+                f"pages already in {str(directory)!r}; expected at least that much"
+            )
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def bytes_used(self) -> int:
+        return sum(self._sizes.values())
+
+    @property
+    def bytes_free(self) -> int:
+        return self.capacity_bytes - self.bytes_used
+
+    def keys(self) -> list[str]:
+        return sorted(self._sizes)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._sizes
+
+    def file_of(self, key: str) -> Path:
+        return self.path / f"{key}{PAGE_SUFFIX}"
+
+    def file_bytes_or_zero(self, key: str) -> int:
+        return self._sizes.get(key, 0)
+
+    # ------------------------------------------------------------------ writes and reads
+    def write(self, key: str, page: Page) -> int:
+        """Write ``page`` under ``key`` (replacing a page of that key atomically); returns the
+        file's bytes. Raises ``TierFull`` (nothing written) when the budget or the disk
+        cannot take it."""
+        check_key(key)
+        return self.write_encoded(key, encode_page(key, page))
+
+    def write_encoded(self, key: str, data: bytes) -> int:
+        """``write`` of a page already encoded by ``encode_page(key, page)``."""
+        check_key(key)
+        free = self.bytes_free + self._sizes.get(key, 0)
+        if len(data) > free:
+            raise TierFull(
+                f"disk tier {str(self.path)!r}: page {key!r} needs {len(data)} bytes, "
+                f"{free} of capacity_bytes={self.capacity_bytes} are free"
+            )
+        temp = self.path / f".{key}.{os.getpid()}.{uuid.uuid4().hex}{TEMP_SUFFIX}"
+        try:
+            with open(temp, "xb") as handle:
+                _write_all(handle, data)
+            os.replace(temp, self.file_of(key))
+        except OSError as error:
+            temp.unlink(missing_ok=True)
+            if error.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise TierFull(
+                    f"disk tier {str(self.path)!r}: the disk is full writing page {key!r} "
+                    f"({len(data)} bytes); nothing was written"
+                ) from error
+            raise
+        self._fsync_directory()
+        self._sizes[key] = len(data)
+        return len(data)
+
+    def read(self, key: str) -> Page:
+        """The page under ``key``, checked against its checksum (``PageCorrupted`` if not)."""
+        if key not in self._sizes:
+            raise KeyError(f"page {key!r} is not on the disk tier {str(self.path)!r}")
+        source = self.file_of(key)
+        data = source.read_bytes()
+        stored_key, page = decode_page(data, str(source))
+        if stored_key != key:
+            raise PageCorrupted(f"{source}: holds page {stored_key!r}, expected {key!r}")
+        return page
+
+    def delete(self, key: str) -> None:
+        if self._sizes.pop(key, None) is not None:
+            self.file_of(key).unlink(missing_ok=True)
+
+    def _fsync_directory(self) -> None:
+        """Make the rename itself durable (POSIX: the directory entry lives in the directory)."""
+        try:
+            descriptor = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return  # platforms without directory descriptors
+        try:
+            os.fsync(descriptor)
+        except OSError:
+            pass
+        finally:
+            os.close(descriptor)
+
+    def __repr__(self) -> str:
+        return (
+            f"DiskTier({str(self.path)!r}, {len(self._sizes)} pages, {self.bytes_used} of "
+            f"{self.capacity_bytes} bytes)"
+        )

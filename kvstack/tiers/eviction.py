@@ -1,0 +1,102 @@
+"""Which pages leave a tier first: LRU, attention-aware (KVDrive) and cost-aware (AsymCache).
+
+A rule ranks the pages whose home is a full tier; the store demotes them in that order (to the
+next tier down) until the bytes it needs are free. Rules only rank: they never move a page, so
+a new rule cannot break the store's invariants.
+
+* ``LRU``: the page used longest ago first.
+* ``AttentionAware`` (KVDrive): the page with the lowest recent attention mass first (the
+  store keeps, per page, an exponential average of the attention its tokens received); LRU
+  breaks ties.
+* ``CostAware`` (AsymCache): the page with the smallest expected cost of needing it again:
+  reuse probability × the cheaper way to bring it back. Bringing it back costs either the
+  transfer from the tier it goes to (bytes ÷ that tier's bandwidth) or recomputing its tokens,
+  whose cost grows with their position (each token attends to every token before it: a page of
+  ``n`` tokens starting at position ``p`` costs about ``n · (c_token + c_attend · (p + n/2))``).
+  Reuse probability is the page's use frequency (uses ÷ steps since it was stored), so a page
+  read at every step is kept and a page read once long ago goes first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+TIERS = ("device", "host", "disk")  # fastest first; a demoted page goes one tier down
+
+
+@dataclass
+class PageInfo:
+    """What the store knows about a page, as the rules see it."""
+
+    key: str
+    nbytes: int
+    home: str  # one of TIERS
+    copies: set[str] = field(default_factory=set)  # tiers holding a copy besides the home
+    position: int = 0  # the first token's position in its sequence
+    tokens: int = 0  # tokens the page holds (0: not a KV page, recompute impossible)
+    stored_at: int = 0  # store clock when it was put
+    last_used: int = 0
+    uses: int = 0
+    attention: float = 0.0  # exponential average of the attention mass its tokens received
+
+
+class EvictionRule(Protocol):
+    def rank(self, pages: Sequence[PageInfo], now: int, demote_to: str | None) -> list[PageInfo]:
+        """``pages`` (homed on the full tier) in the order they should leave it, the first
+        first. ``demote_to`` is the tier they would go to (None: the last tier; they would be
+        dropped and recomputed)."""
+
+
+class LRU:
+    def rank(self, pages, now, demote_to):
+        return sorted(pages, key=lambda p: (p.last_used, p.key))
+
+
+class AttentionAware:
+    def rank(self, pages, now, demote_to):
+        return sorted(pages, key=lambda p: (p.attention, p.last_used, p.key))
+
+
+@dataclass
+class CostAware:
+    """AsymCache's rule. Bandwidths in bytes per second of reading a page back from the tier it
+    would go to; recompute constants in seconds (per token, and per token per earlier token).
+    The defaults are of a small model on a CPU; ``kvstack bench tiers`` can measure its own."""
+
+    bandwidth: dict[str, float] = field(default_factory=lambda: {"host": 10e9, "disk": 1e9})
+    seconds_per_token: float = 2e-4
+    seconds_per_token_per_context: float = 2e-8
+
+    def restore_seconds(self, page: PageInfo, demote_to: str | None) -> float:
+        """The cheaper of transferring the page back and recomputing its tokens."""
+        recompute = (
+            page.tokens
+            * (
+                self.seconds_per_token
+                + self.seconds_per_token_per_context * (page.position + page.tokens / 2)
+            )
+            if page.tokens
+            else float("inf")
+        )
+        if demote_to is None:
+            return recompute
+        return min(recompute, page.nbytes / self.bandwidth[demote_to])
+
+    @staticmethod
+    def reuse_probability(page: PageInfo, now: int) -> float:
+        return min(1.0, page.uses / max(1, now - page.stored_at))
+
+    def rank(self, pages, now, demote_to):
+        return sorted(
+            pages,
+            key=lambda p: (
+                self.reuse_probability(p, now) * self.restore_seconds(p, demote_to),
+                p.last_used,
+                p.key,
+            ),
+        )
+
+
+RULES = {"lru": LRU, "attention": AttentionAware, "cost": CostAware}

@@ -1,0 +1,90 @@
+"""Fetch the pages the next layer will read while the current layer computes (KVDrive).
+
+``Prefetcher.prefetch(keys)`` hands each page to a worker thread, which reads it from the
+fastest tier holding it (a disk read checks its checksum) and copies it to the device.
+``take(key)`` returns the page for attention; it waits for that page's fetch to complete first,
+so **no page is read before its copy completes** (vToken's I3, across tiers). On CUDA the copy
+runs on a side stream and ``take`` makes the compute stream wait on its event; on CPU the
+worker's copy is complete when its future is.
+
+Accounting: ``transfer_seconds`` is the time fetches took (on the workers, or on the caller for
+a page that was not prefetched); ``stall_seconds`` is the time the caller waited for them. The
+overlap fraction, 1 − stall ÷ transfer, is the share of transfer time hidden behind compute.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from kvstack.tiers.disk import Page, page_nbytes
+from kvstack.tiers.store import TieredStore
+
+
+class Prefetcher:
+    def __init__(self, store: TieredStore, device: str | torch.device, workers: int = 1) -> None:
+        self.store = store
+        self.device = torch.device(device)
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvstack-prefetch")
+        self._pending: dict[str, Future] = {}
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.transfer_seconds = 0.0
+        self.stall_seconds = 0.0
+        self.bytes_fetched: Counter[str] = Counter()  # source tier -> bytes brought to the device
+
+    def prefetch(self, keys: list[str]) -> None:
+        for key in keys:
+            if key not in self._pending:
+                self._pending[key] = self._pool.submit(self._fetch, key)
+
+    def take(self, key: str) -> Page:
+        """The page on the device, once its copy is complete; counts the read in the store."""
+        future = self._pending.pop(key, None)
+        start = time.perf_counter()
+        if future is None:  # not prefetched: the caller fetches it and waits for all of it
+            page, tier, event, _ = self._fetch(key)
+            seconds = time.perf_counter() - start
+            self.transfer_seconds += seconds
+        else:
+            page, tier, event, seconds = future.result()
+            self.transfer_seconds += seconds
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+        self.stall_seconds += time.perf_counter() - start
+        self.store.touch(key, tier)
+        if tier != "device":
+            self.bytes_fetched[tier] += page_nbytes(page)
+        return page
+
+    def _fetch(self, key: str) -> tuple[Page, str, torch.cuda.Event | None, float]:
+        start = time.perf_counter()
+        page, tier = self.store.peek(key)
+        event = None
+        if self._stream is not None and tier != "device":
+            with torch.cuda.stream(self._stream):
+                page = {n: t.to(self.device, non_blocking=True) for n, t in page.items()}
+                event = torch.cuda.Event()
+                event.record(self._stream)
+        else:
+            page = {n: t.to(self.device) for n, t in page.items()}
+        return page, tier, event, time.perf_counter() - start
+
+    @property
+    def overlap_fraction(self) -> float:
+        """Share of transfer time hidden behind compute (1.0 when nothing was transferred)."""
+        if self.transfer_seconds == 0:
+            return 1.0
+        return max(0.0, 1.0 - self.stall_seconds / self.transfer_seconds)
+
+    def drain(self) -> None:
+        """Wait for every pending fetch and forget it (a reset: nothing will take them)."""
+        for future in self._pending.values():
+            future.result()
+        self._pending.clear()
+
+    def close(self) -> None:
+        self.drain()
+        self._pool.shutdown(wait=True)

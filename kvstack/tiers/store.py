@@ -1,0 +1,279 @@
+"""Pages across three tiers: device memory, host memory and disk (PersistentKV / KVDrive).
+
+Every page has one **home** tier and may have **copies** in others (a prefetched page is a copy
+on device of a page whose home is host or disk). The rules that keep a page from being lost:
+
+* **Copy, then switch.** A move writes the page to its new tier first, and only once that write
+  has completed does the page's home change and the old bytes go. A failure mid-move (a full
+  disk, a killed process) leaves the page at its old home, whole.
+* **Copies go before homes.** Making room in a tier drops copies first (their home still holds
+  the page), then demotes homed pages one tier down in the order of the store's eviction rule
+  (``kvstack.tiers.eviction``). A page is never dropped from its last tier.
+* **Reads are checked.** Pages read from disk are verified against their checksum
+  (``DiskTier``); a corrupt page raises ``PageCorrupted`` and is never returned.
+
+Budgets are bytes: ``device_bytes`` and ``host_bytes`` of page tensors, ``disk_bytes`` of page
+files. The host tier's tensors are pinned when the device is CUDA, so device copies can be
+asynchronous. ``stats()`` reports what each tier holds, the bytes moved between each pair of
+tiers and the reads served by each tier.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from collections import Counter
+from typing import Any
+
+import torch
+
+from kvstack.errors import InvalidArgumentError, TierFull
+from kvstack.tiers.disk import DiskTier, Page, check_key, encode_page, page_nbytes
+from kvstack.tiers.eviction import LRU, TIERS, EvictionRule, PageInfo
+
+
+def _locked(method):
+    """Run ``method`` holding the store's lock: a prefetch worker reads pages while the model's
+    thread stores and demotes them."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
+class TieredStore:
+    def __init__(
+        self,
+        *,
+        device_bytes: int,
+        host_bytes: int,
+        disk_path: str | os.PathLike | None = None,
+        disk_bytes: int = 0,
+        device: str | torch.device = "cpu",
+        rule: EvictionRule | None = None,
+        min_page_bytes: int = 1,
+    ) -> None:
+        """``min_page_bytes``: the smallest page the caller will store; a budget that cannot
+        hold one (other than a zero budget, which switches the tier off) is refused."""
+        budgets = {"device": device_bytes, "host": host_bytes, "disk": disk_bytes}
+        for tier, budget in budgets.items():
+            if not isinstance(budget, int) or budget < 0:
+                raise InvalidArgumentError(
+                    f"{tier}_bytes={budget!r}; expected a non-negative number of bytes"
+                )
+            if 0 < budget < min_page_bytes:
+                raise InvalidArgumentError(
+                    f"{tier}_bytes={budget} cannot hold one page of {min_page_bytes} bytes; "
+                    f"expected 0 (tier off) or at least {min_page_bytes}"
+                )
+        if disk_bytes and disk_path is None:
+            raise InvalidArgumentError(f"disk_bytes={disk_bytes} needs a disk_path; got None")
+        self.device = torch.device(device)
+        self.capacity = budgets
+        self.disk = DiskTier(disk_path, disk_bytes) if disk_bytes else None
+        self.rule: EvictionRule = rule if rule is not None else LRU()
+        self._memory: dict[str, dict[str, Page]] = {"device": {}, "host": {}}  # tier -> key -> page
+        self._used = {"device": 0, "host": 0}
+        self.pages: dict[str, PageInfo] = {}
+        self.clock = 0  # advanced by every read: the rules' notion of time
+        self.bytes_moved: Counter[str] = Counter()  # "device->host" -> bytes
+        self.hits: Counter[str] = Counter()  # tier that served a read -> reads
+        self.lock = threading.RLock()
+
+    # ------------------------------------------------------------------ queries
+    def bytes_used(self, tier: str) -> int:
+        return self.disk.bytes_used if tier == "disk" and self.disk else self._used.get(tier, 0)
+
+    def bytes_free(self, tier: str) -> int:
+        return self.capacity[tier] - self.bytes_used(tier)
+
+    def tiers_of(self, key: str) -> list[str]:
+        """The tiers holding ``key``, fastest first."""
+        info = self._info(key)
+        return [t for t in TIERS if t == info.home or t in info.copies]
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "pages": len(self.pages),
+            "bytes_used": {t: self.bytes_used(t) for t in TIERS},
+            "capacity_bytes": dict(self.capacity),
+            "pages_homed": {t: sum(p.home == t for p in self.pages.values()) for t in TIERS},
+            "bytes_moved": dict(self.bytes_moved),
+            "hits": {t: self.hits[t] for t in TIERS},
+        }
+
+    # ------------------------------------------------------------------ writes
+    @_locked
+    def put(
+        self, key: str, page: Page, *, tier: str = "device", position: int = 0, tokens: int = 0
+    ) -> None:
+        """Store a new page with its home in ``tier``, demoting others if the tier is full.
+        ``position`` and ``tokens`` (its first token's position and how many it holds) let the
+        cost-aware rule price recomputing it."""
+        check_key(key)
+        self._check_tier(tier)
+        if key in self.pages:
+            raise InvalidArgumentError(f"page key {key!r} is already stored; expected a new key")
+        info = PageInfo(key, page_nbytes(page), tier, position=position, tokens=tokens)
+        info.stored_at = info.last_used = self.clock
+        self._write(tier, info, page)
+        self.pages[key] = info
+
+    def get(self, key: str) -> tuple[Page, str]:
+        """The page and the tier that served it (the fastest holding it); counts a hit there."""
+        page, tier = self.peek(key)
+        self.touch(key, tier)
+        return page, tier
+
+    @_locked
+    def peek(self, key: str) -> tuple[Page, str]:
+        """``get`` without counting the read (a prefetch: ``touch`` counts it when it is used).
+        Pages from host or disk are on the CPU; the caller copies them where it needs them."""
+        tier = self.tiers_of(key)[0]
+        return self._read(tier, key), tier
+
+    @_locked
+    def touch(self, key: str, tier: str) -> None:
+        """Count a read of ``key`` served by ``tier``: the rules' recency and use counts."""
+        info = self._info(key)
+        self.clock += 1
+        info.last_used, info.uses = self.clock, info.uses + 1
+        self.hits[tier] += 1
+
+    @_locked
+    def copy(self, key: str, tier: str) -> None:
+        """Add a copy of ``key`` in ``tier`` (a prefetch); its home does not change."""
+        self._check_tier(tier)
+        info = self._info(key)
+        if tier in self.tiers_of(key):
+            return
+        source = self.tiers_of(key)[0]
+        page = self._read(source, key)
+        self._write(tier, info, page, protect=key)
+        info.copies.add(tier)
+        self.bytes_moved[f"{source}->{tier}"] += info.nbytes
+
+    @_locked
+    def move(self, key: str, tier: str) -> None:
+        """Make ``tier`` the page's home: copy, then switch, then drop the old home's bytes."""
+        self._check_tier(tier)
+        info = self._info(key)
+        if info.home == tier:
+            return
+        self.copy(key, tier)  # the write that can fail; until it completes nothing changed
+        old = info.home
+        info.copies.discard(tier)
+        info.home = tier
+        self._erase(old, key)
+
+    @_locked
+    def drop_copy(self, key: str, tier: str) -> None:
+        info = self._info(key)
+        if tier in info.copies:
+            info.copies.discard(tier)
+            self._erase(tier, key)
+
+    @_locked
+    def delete(self, key: str) -> None:
+        info = self.pages.pop(key)
+        for tier in (info.home, *info.copies):
+            self._erase(tier, key)
+
+    @_locked
+    def observe_attention(self, key: str, mass: float, decay: float = 0.5) -> None:
+        """Fold a step's attention mass on the page's tokens into its running average."""
+        info = self._info(key)
+        info.attention = decay * info.attention + (1 - decay) * float(mass)
+
+    @_locked
+    def make_room(self, tier: str, nbytes: int, protect: str | None = None) -> None:
+        """Free ``nbytes`` in ``tier``: drop copies there, then demote homed pages one tier down
+        in the rule's order. Raises ``TierFull`` when even that cannot free them (pages demoted
+        on the way stay demoted, whole)."""
+        if nbytes > self.capacity[tier]:
+            raise TierFull(
+                f"{tier} tier: a page of {nbytes} bytes exceeds its capacity of "
+                f"{self.capacity[tier]} bytes"
+            )
+        for key in [k for k, p in self.pages.items() if tier in p.copies and k != protect]:
+            if self.bytes_free(tier) >= nbytes:
+                return
+            self.drop_copy(key, tier)
+        lower = TIERS[TIERS.index(tier) + 1] if tier != TIERS[-1] else None
+        homed = [p for p in self.pages.values() if p.home == tier and p.key != protect]
+        for victim in self.rule.rank(homed, self.clock, lower):
+            if self.bytes_free(tier) >= nbytes:
+                return
+            if lower is None or self.capacity[lower] == 0:
+                break
+            self.move(victim.key, lower)
+        if self.bytes_free(tier) < nbytes:
+            raise TierFull(
+                f"{tier} tier: {nbytes} bytes needed, {self.bytes_free(tier)} of "
+                f"{self.capacity[tier]} free after demoting what could go"
+            )
+
+    # ------------------------------------------------------------------ internals
+    def _write(self, tier: str, info: PageInfo, page: Page, protect: str | None = None) -> None:
+        if tier == "disk":
+            if self.disk is None:
+                raise TierFull("disk tier: off (disk_bytes=0); the page was not written")
+            data = encode_page(info.key, page)
+            if self.disk.bytes_free + self.disk.file_bytes_or_zero(info.key) < len(data):
+                self.make_room("disk", len(data), protect or info.key)
+            self.disk.write_encoded(info.key, data)
+            return
+        if self.capacity[tier] == 0:
+            raise TierFull(f"{tier} tier: off ({tier}_bytes=0); the page was not written")
+        if self.bytes_free(tier) < info.nbytes:
+            self.make_room(tier, info.nbytes, protect or info.key)
+        target = self.device if tier == "device" else torch.device("cpu")
+        pin = tier == "host" and self.device.type == "cuda"
+        stored = {}
+        for name, tensor in page.items():
+            copy = torch.empty(tensor.shape, dtype=tensor.dtype, device=target, pin_memory=pin)
+            copy.copy_(tensor)
+            stored[name] = copy
+        self._memory[tier][info.key] = stored
+        self._used[tier] += info.nbytes
+
+    def _read(self, tier: str, key: str) -> Page:
+        if tier == "disk":
+            return self.disk.read(key)  # checksum-verified
+        return self._memory[tier][key]
+
+    def _erase(self, tier: str, key: str) -> None:
+        if tier == "disk":
+            self.disk.delete(key)
+            return
+        page = self._memory[tier].pop(key)
+        self._used[tier] -= page_nbytes(page)
+
+    def _info(self, key: str) -> PageInfo:
+        try:
+            return self.pages[key]
+        except KeyError:
+            raise KeyError(f"page {key!r} is not stored") from None
+
+    def _check_tier(self, tier: str) -> None:
+        if tier not in TIERS:
+            raise InvalidArgumentError(f"tier={tier!r}; expected one of {TIERS}")
+
+    def check(self) -> None:
+        """The store's invariants (for tests): every page is whole in its home and copies, no
+        tier holds a page the store does not name, and no tier is over its budget."""
+        for tier in ("device", "host"):
+            named = {k for k, p in self.pages.items() if tier == p.home or tier in p.copies}
+            assert set(self._memory[tier]) == named, (tier, set(self._memory[tier]), named)
+            assert self._used[tier] == sum(page_nbytes(p) for p in self._memory[tier].values())
+            assert self._used[tier] <= self.capacity[tier]
+        if self.disk is not None:
+            named = {k for k, p in self.pages.items() if "disk" == p.home or "disk" in p.copies}
+            assert set(self.disk.keys()) == named, (set(self.disk.keys()), named)
+            assert self.disk.bytes_used <= self.capacity["disk"]
+        for info in self.pages.values():
+            assert info.home not in info.copies

@@ -1,0 +1,141 @@
+"""TieredCache under generate: exactly DynamicCache's tokens while most of the KV sits on host
+and disk, on a tiny model (every tier and rule) and on SmolLM2 with 25 % of the KV on device."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaForCausalLM
+
+from kvstack.errors import InvalidArgumentError, KVStackError
+from kvstack.tiers import TieredCache
+from spec_tests.tiny import tiny_llama_config
+
+
+def greedy(model, ids, cache, new_tokens):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return model.generate(
+            ids,
+            past_key_values=cache,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            min_new_tokens=new_tokens,
+        )
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config(num_hidden_layers=3)).eval()
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@pytest.mark.parametrize("policy", ["lru", "attention", "cost"])
+def test_tokens_equal_dynamic_cache_with_pages_on_host_and_disk(tiny_model, tmp_path, policy):
+    ids = torch.randint(1, 256, (1, 90), generator=torch.Generator().manual_seed(1))
+    expected = greedy(tiny_model, ids, DynamicCache(config=tiny_model.config), 30)
+    page = 2 * 16 * 2 * 16 * 4  # K and V of 16 tokens, 2 KV heads of 16 dims, fp32
+    cache = TieredCache(
+        tiny_model.config,
+        device_budget=3 * page,
+        host_budget=3 * page,
+        disk_path=tmp_path,
+        disk_budget="1MiB",
+        policy=policy,
+    )
+    got = greedy(tiny_model, ids, cache, 30)
+    assert torch.equal(got, expected)
+    stats = cache.stats()
+    assert stats["seen_tokens"] == 119  # 90 + 30 - 1: the last token is never fed back
+    assert stats["pages"] == 3 * (119 // 16)
+    assert stats["pages_homed"]["disk"] > 0 and stats["pages_homed"]["host"] == 3
+    assert stats["bytes_used"]["device"] <= 3 * page
+    assert stats["hits"]["disk"] > 0 and stats["fetched_bytes"]["disk"] > 0
+    cache.store.check()
+    cache.close()
+
+
+def test_a_reset_cache_serves_a_second_prompt_exactly(tiny_model, tmp_path):
+    cache = TieredCache(
+        tiny_model.config,
+        device_budget="8KiB",
+        host_budget="8KiB",
+        disk_path=tmp_path,
+        disk_budget="1MiB",
+    )
+    for seed in (2, 3):
+        ids = torch.randint(1, 256, (1, 50), generator=torch.Generator().manual_seed(seed))
+        expected = greedy(tiny_model, ids, DynamicCache(config=tiny_model.config), 10)
+        cache.reset()
+        assert torch.equal(greedy(tiny_model, ids, cache, 10), expected)
+    cache.close()
+
+
+def test_bad_arguments_are_refused_before_anything_is_built(tiny_model, tmp_path):
+    with pytest.raises(InvalidArgumentError, match="policy='fifo'"):
+        TieredCache(tiny_model.config, device_budget="1MiB", host_budget=0, policy="fifo")
+    with pytest.raises(
+        InvalidArgumentError, match="device_budget=100 cannot hold one page of 4096"
+    ):
+        TieredCache(tiny_model.config, device_budget=100, host_budget=0)
+    with pytest.raises(InvalidArgumentError, match="disk_path=.*not a writable directory"):
+        (tmp_path / "file").write_text("x")
+        TieredCache(
+            tiny_model.config,
+            device_budget="1MiB",
+            host_budget=0,
+            disk_path=tmp_path / "file",
+            disk_budget="1MiB",
+        )
+
+
+def test_budgets_too_small_for_the_sequence_raise_tier_full(tiny_model):
+    from kvstack.errors import TierFull
+
+    ids = torch.randint(1, 256, (1, 64), generator=torch.Generator().manual_seed(4))
+    cache = TieredCache(tiny_model.config, device_budget=4096, host_budget=4096)
+    with pytest.raises(TierFull, match="tier"):
+        greedy(tiny_model, ids, cache, 4)
+
+
+def test_beam_search_is_refused_with_a_clear_error(tiny_model):
+    ids = torch.randint(1, 256, (1, 20), generator=torch.Generator().manual_seed(5))
+    cache = TieredCache(tiny_model.config, device_budget="1MiB", host_budget=0)
+    with pytest.raises(KVStackError, match="num_beams=1"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tiny_model.generate(
+                ids, past_key_values=cache, max_new_tokens=3, num_beams=2, do_sample=False
+            )
+
+
+@pytest.mark.slow
+def test_smollm2_with_a_quarter_of_the_kv_on_device_makes_dynamic_cache_tokens(tmp_path):
+    from kvstack.models import load_smollm2
+    from spec_tests.test_hf_smollm2 import PROMPT, chat_ids
+
+    model, tokenizer = load_smollm2(progress=False)
+    model.set_attn_implementation("sdpa")
+    ids = chat_ids(tokenizer, [PROMPT])["input_ids"]
+    new = 40
+    expected = greedy(model, ids, DynamicCache(config=model.config), new)
+    tokens = ids.shape[1] + new - 1
+    kv_bytes = 30 * 2 * tokens * 3 * 64 * 4  # 30 layers, K and V, 3 KV heads of 64, fp32
+    cache = TieredCache(
+        model.config,
+        device_budget=kv_bytes // 4,
+        host_budget=kv_bytes // 4,
+        disk_path=tmp_path,
+        disk_budget="64MiB",
+        policy="cost",
+    )
+    got = greedy(model, ids, cache, new)
+    assert torch.equal(got, expected), tokenizer.decode(got[0, ids.shape[1] :])
+    stats = cache.stats()
+    assert stats["bytes_used"]["device"] <= kv_bytes // 4
+    assert stats["pages_homed"]["disk"] > 0
+    cache.close()

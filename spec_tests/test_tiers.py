@@ -1,0 +1,398 @@
+"""The tiers' invariants: disk pages round-trip bit for bit, a corrupt or half-written page is
+never returned, a full disk or budget leaves everything as it was, and across device / host /
+disk every page stays whole in its home through any sequence of moves (a stateful test)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvstack.errors import InvalidArgumentError, PageCorrupted, TierFull
+from kvstack.tiers import (
+    LRU,
+    AttentionAware,
+    CostAware,
+    DiskTier,
+    PageInfo,
+    TieredStore,
+    decode_page,
+    encode_page,
+    page_nbytes,
+)
+from kvstack.tiers import disk as disk_module
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool)
+
+
+def kv_page(seed: int, tokens: int = 4, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """A KV block of one layer: [tokens, kv_heads=2, head_dim=8] keys and values."""
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "k": torch.randn(tokens, 2, 8, generator=generator).to(dtype),
+        "v": torch.randn(tokens, 2, 8, generator=generator).to(dtype),
+    }
+
+
+def same_page(a, b) -> bool:
+    return a.keys() == b.keys() and all(
+        a[n].dtype == b[n].dtype
+        and a[n].shape == b[n].shape
+        and torch.equal(a[n].cpu(), b[n].cpu())
+        for n in a
+    )
+
+
+# --------------------------------------------------------------------------- page files
+@settings(deadline=None)
+@given(
+    shapes=st.lists(st.lists(st.integers(0, 5), max_size=3), min_size=1, max_size=3),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+)
+def test_a_page_file_round_trips_bit_for_bit(shapes, dtype, seed):
+    generator = torch.Generator().manual_seed(seed)
+    page = {
+        f"t{i}": (torch.randn(shape, generator=generator) * 100).to(dtype)
+        for i, shape in enumerate(shapes)
+    }
+    key, back = decode_page(encode_page("p0", page), "memory")
+    assert key == "p0" and same_page(page, back)
+
+
+def test_a_disk_tier_reads_back_what_it_wrote_and_a_new_one_finds_it(tmp_path):
+    tier = DiskTier(tmp_path / "pages", 1 << 20)
+    page = kv_page(0, dtype=torch.bfloat16)
+    size = tier.write("layer0.block3", page)
+    assert size == tier.bytes_used == (tmp_path / "pages" / "layer0.block3.page").stat().st_size
+    reopened = DiskTier(tmp_path / "pages", 1 << 20)  # a new process on the same directory
+    assert reopened.keys() == ["layer0.block3"]
+    assert same_page(reopened.read("layer0.block3"), page)
+
+
+@pytest.mark.parametrize(
+    "damage", ["flip_payload_bit", "flip_header_bit", "truncate", "not_a_page"]
+)
+def test_a_damaged_page_file_raises_page_corrupted_naming_the_file(tmp_path, damage):
+    tier = DiskTier(tmp_path, 1 << 20)
+    tier.write("a", kv_page(1))
+    path = tier.file_of("a")
+    data = bytearray(path.read_bytes())
+    if damage == "flip_payload_bit":
+        data[-3] ^= 0x10
+    elif damage == "flip_header_bit":
+        data[len(disk_module.MAGIC) + disk_module.DIGEST_BYTES + 12] ^= 0x01
+    elif damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data = bytearray(b"hello, not a page")
+    path.write_bytes(bytes(data))
+    with pytest.raises(PageCorrupted, match=str(path)):
+        tier.read("a")
+
+
+def test_a_page_file_under_another_key_is_refused(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 20)
+    tier.write("a", kv_page(1))
+    tier.write("b", kv_page(2))
+    os.replace(tier.file_of("a"), tier.file_of("b"))  # b's name now holds a's page
+    with pytest.raises(PageCorrupted, match="holds page 'a', expected 'b'"):
+        tier.read("b")
+
+
+def test_a_full_disk_raises_tier_full_and_leaves_the_old_page(tmp_path, monkeypatch):
+    tier = DiskTier(tmp_path, 1 << 20)
+    old = kv_page(1)
+    tier.write("a", old)
+    used = tier.bytes_used
+
+    def disk_full(handle, data):
+        handle.write(data[: len(data) // 3])  # part of it reached the disk, then ENOSPC
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk_module, "_write_all", disk_full)
+    with pytest.raises(TierFull, match="disk is full writing page 'a'"):
+        tier.write("a", kv_page(2))
+    with pytest.raises(TierFull, match="disk is full writing page 'b'"):
+        tier.write("b", kv_page(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.page"]  # no temporary file left
+    assert tier.keys() == ["a"] and tier.bytes_used == used
+    assert same_page(tier.read("a"), old)
+
+
+def test_a_page_over_the_budget_raises_tier_full_and_writes_nothing(tmp_path):
+    page = kv_page(0)
+    size = len(encode_page("a", page))
+    tier = DiskTier(tmp_path, size + 10)
+    tier.write("a", page)
+    with pytest.raises(TierFull, match=f"page 'b' needs {size} bytes, 10 of capacity_bytes"):
+        tier.write("b", kv_page(1))
+    assert tier.keys() == ["a"] and not tier.file_of("b").exists()
+    tier.write("a", kv_page(2))  # replacing a page reuses its own bytes
+
+
+KILLED_WRITER = textwrap.dedent(
+    """
+    import os, signal, sys, torch
+    from kvstack.tiers import disk
+    tier = disk.DiskTier(sys.argv[1], 1 << 20)
+    tier.write("a", {"k": torch.arange(64, dtype=torch.float32)})  # the last good state
+
+    def killed_mid_write(handle, data):
+        handle.write(data[: len(data) // 2])
+        handle.flush()
+        os.kill(os.getpid(), signal.SIGKILL)  # kill -9 with half the page on disk
+
+    disk._write_all = killed_mid_write
+    tier.write("a", {"k": torch.zeros(64)})
+    tier.write("b", {"k": torch.ones(64)})
+    """
+)
+
+
+def test_a_process_killed_during_a_page_write_leaves_the_last_good_state(tmp_path):
+    result = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(tmp_path)], check=False)
+    assert result.returncode == -signal.SIGKILL
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.endswith(disk_module.TEMP_SUFFIX)]
+    assert len(leftovers) == 1  # the half-written page, never renamed
+    tier = DiskTier(tmp_path, 1 << 20)  # reopening
+    assert tier.keys() == ["a"]
+    assert torch.equal(tier.read("a")["k"], torch.arange(64, dtype=torch.float32))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.page"]  # the leftover is gone
+
+
+def test_a_disk_path_that_is_not_a_writable_directory_is_refused(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(InvalidArgumentError, match="disk_path=.*a_file/pages.*writable directory"):
+        DiskTier(blocker / "pages", 1 << 20)
+    with pytest.raises(InvalidArgumentError, match="disk_path=.*a_file.*not a writable directory"):
+        DiskTier(blocker, 1 << 20)
+    if os.geteuid() != 0:  # root may write anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        with pytest.raises(InvalidArgumentError, match="not a writable directory"):
+            DiskTier(locked, 1 << 20)
+
+
+@pytest.mark.parametrize("key", ["", ".hidden", "a/b", "../up", "x" * 201, 3])
+def test_a_page_key_that_is_no_file_name_is_refused(tmp_path, key):
+    tier = DiskTier(tmp_path, 1 << 20)
+    with pytest.raises(InvalidArgumentError, match="page key"):
+        tier.write(key, kv_page(0))
+    assert tier.keys() == [] and list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- the store
+def test_budgets_that_cannot_hold_one_page_are_refused(tmp_path):
+    page_bytes = page_nbytes(kv_page(0))
+    with pytest.raises(
+        InvalidArgumentError, match=f"host_bytes=10 cannot hold one page of {page_bytes}"
+    ):
+        TieredStore(device_bytes=page_bytes, host_bytes=10, min_page_bytes=page_bytes)
+    with pytest.raises(InvalidArgumentError, match="device_bytes=-1"):
+        TieredStore(device_bytes=-1, host_bytes=0)
+    with pytest.raises(InvalidArgumentError, match="disk_bytes=100 needs a disk_path"):
+        TieredStore(device_bytes=100, host_bytes=0, disk_bytes=100)
+
+
+def test_a_full_device_tier_demotes_the_least_recently_used_page_whole(tmp_path):
+    size = page_nbytes(kv_page(0))
+    store = TieredStore(
+        device_bytes=2 * size, host_bytes=1 * size, disk_path=tmp_path, disk_bytes=1 << 20
+    )
+    pages = {f"p{i}": kv_page(i) for i in range(4)}
+    store.put("p0", pages["p0"])
+    store.put("p1", pages["p1"])
+    store.get("p0")  # p1 is now the least recently used
+    store.put("p2", pages["p2"])  # device full: p1 goes to host
+    assert store.tiers_of("p1") == ["host"]
+    store.put("p3", pages["p3"])  # device full: p0 to host, host full: p1 to disk
+    assert [store.pages[k].home for k in pages] == ["host", "disk", "device", "device"]
+    for key, page in pages.items():
+        got, _ = store.get(key)
+        assert same_page(got, page)
+    assert store.stats()["bytes_moved"] == {"device->host": 2 * size, "host->disk": size}
+    store.check()
+
+
+def test_a_move_that_fails_on_a_full_disk_keeps_the_page_at_its_home(tmp_path, monkeypatch):
+    store = TieredStore(
+        device_bytes=1 << 20, host_bytes=1 << 20, disk_path=tmp_path, disk_bytes=1 << 20
+    )
+    page = kv_page(5)
+    store.put("a", page, tier="host")
+
+    def disk_full(handle, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk_module, "_write_all", disk_full)
+    with pytest.raises(TierFull):
+        store.move("a", "disk")
+    assert store.tiers_of("a") == ["host"] and store.stats()["bytes_moved"] == {}
+    assert same_page(store.get("a")[0], page)
+    store.check()
+
+
+def test_a_prefetched_copy_serves_reads_and_is_dropped_before_any_home(tmp_path):
+    size = page_nbytes(kv_page(0))
+    store = TieredStore(device_bytes=2 * size, host_bytes=4 * size)
+    store.put("cold", kv_page(0), tier="host")
+    store.put("hot", kv_page(1))
+    store.copy("cold", "device")  # a prefetch: home stays host
+    assert store.get("cold")[1] == "device" and store.pages["cold"].home == "host"
+    store.put("new", kv_page(2))  # device full: the copy goes, the homed page stays
+    assert store.tiers_of("cold") == ["host"] and store.tiers_of("hot") == ["device"]
+    assert store.stats()["hits"] == {"device": 1, "host": 0, "disk": 0}
+    store.check()
+
+
+def test_the_attention_and_cost_rules_rank_as_their_papers_say():
+    pages = [
+        PageInfo("sink", 1024, "device", position=0, tokens=16, uses=50, attention=0.6),
+        PageInfo("stale", 1024, "device", position=4000, tokens=16, uses=1, attention=0.01),
+        PageInfo(
+            "recent", 1024, "device", position=4016, tokens=16, uses=5, attention=0.2, last_used=9
+        ),
+    ]
+    by_key = lambda ranked: [p.key for p in ranked]  # noqa: E731
+    assert by_key(LRU().rank(pages, 10, "host")) == ["sink", "stale", "recent"]
+    assert by_key(AttentionAware().rank(pages, 10, "host")) == ["stale", "recent", "sink"]
+    cost = CostAware()
+    # Bringing a page back from host is cheaper than recomputing it; from nowhere (dropped),
+    # a late page costs more to recompute than an early one of the same use.
+    assert cost.restore_seconds(pages[1], "host") < cost.restore_seconds(pages[1], None)
+    early, late = (
+        PageInfo("e", 1, "disk", position=0, tokens=16),
+        PageInfo("l", 1, "disk", position=8000, tokens=16),
+    )
+    assert cost.restore_seconds(early, None) < cost.restore_seconds(late, None)
+    assert by_key(cost.rank(pages, 10, "host")) == ["stale", "recent", "sink"]
+
+
+# --------------------------------------------------------------------------- stateful
+class TieredStoreMachine(RuleBasedStateMachine):
+    """Random puts, reads, prefetches, moves, deletes and rule changes on small budgets, against
+    a dict of what each key should hold: every read returns its page bit for bit, and
+    ``TieredStore.check`` holds after every step (including steps that raise ``TierFull``)."""
+
+    @initialize(rule_name=st.sampled_from(["lru", "attention", "cost"]))
+    def start(self, rule_name):
+        import tempfile
+
+        from kvstack.tiers import RULES
+
+        self.directory = tempfile.TemporaryDirectory()
+        size = page_nbytes(kv_page(0))
+        file_size = len(encode_page("p00", kv_page(0)))
+        self.store = TieredStore(
+            device_bytes=2 * size,
+            host_bytes=3 * size,
+            disk_path=self.directory.name,
+            disk_bytes=4 * file_size,
+            rule=RULES[rule_name](),
+            min_page_bytes=size,
+        )
+        self.model: dict[str, dict[str, torch.Tensor]] = {}
+        self.next_seed = 0
+
+    def teardown(self):
+        self.directory.cleanup()
+
+    @rule(tier=st.sampled_from(["device", "host", "disk"]))
+    def put(self, tier):
+        key, page = f"p{self.next_seed:02d}", kv_page(self.next_seed)
+        self.next_seed += 1
+        try:
+            self.store.put(key, page, tier=tier, position=16 * self.next_seed, tokens=4)
+        except TierFull:
+            assert key not in self.store.pages
+            return
+        self.model[key] = page
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def get(self, data):
+        key = data.draw(st.sampled_from(sorted(self.model)))
+        page, tier = self.store.get(key)
+        assert tier == self.store.tiers_of(key)[0]
+        assert same_page(page, self.model[key])
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), tier=st.sampled_from(["device", "host", "disk"]), as_copy=st.booleans())
+    def move_or_copy(self, data, tier, as_copy):
+        key = data.draw(st.sampled_from(sorted(self.model)))
+        home = self.store.pages[key].home
+        try:
+            (self.store.copy if as_copy else self.store.move)(key, tier)
+        except TierFull:
+            assert key in self.store.pages and home in self.store.tiers_of(key)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), mass=st.floats(0, 1))
+    def observe(self, data, mass):
+        self.store.observe_attention(data.draw(st.sampled_from(sorted(self.model))), mass)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def delete(self, data):
+        key = data.draw(st.sampled_from(sorted(self.model)))
+        self.store.delete(key)
+        del self.model[key]
+
+    @invariant()
+    def consistent(self):
+        if hasattr(self, "store"):
+            self.store.check()
+            assert set(self.store.pages) == set(self.model)
+
+
+TestTieredStoreMachine = TieredStoreMachine.TestCase
+
+
+# --------------------------------------------------------------------------- prefetch
+def test_a_prefetched_page_is_taken_only_once_its_copy_completed_and_hides_its_transfer(tmp_path):
+    import threading
+    import time
+
+    from kvstack.tiers import Prefetcher
+
+    store = TieredStore(device_bytes=1 << 20, host_bytes=0, disk_path=tmp_path, disk_bytes=1 << 20)
+    pages = {f"p{i}": kv_page(i) for i in range(3)}
+    for key, page in pages.items():
+        store.put(key, page, tier="disk")
+    release = threading.Event()
+    peek = store.peek
+
+    def slow_peek(key):  # a transfer that lasts until the test lets it finish
+        release.wait(timeout=10)
+        time.sleep(0.05)
+        return peek(key)
+
+    store.peek = slow_peek
+    prefetcher = Prefetcher(store, "cpu")
+    prefetcher.prefetch(list(pages))
+    taken: list[dict] = []
+    taker = threading.Thread(target=lambda: taken.append(prefetcher.take("p0")))
+    taker.start()
+    taker.join(timeout=0.2)
+    assert taker.is_alive() and not taken  # its copy has not completed: take waits
+    release.set()
+    taker.join(timeout=10)
+    assert same_page(taken[0], pages["p0"])
+    time.sleep(0.3)  # "compute" while p1 and p2 arrive
+    for key in ("p1", "p2"):
+        assert same_page(prefetcher.take(key), pages[key])
+    assert store.stats()["hits"]["disk"] == 3
+    assert prefetcher.bytes_fetched["disk"] == 3 * page_nbytes(pages["p0"])
+    assert 0.3 < prefetcher.overlap_fraction < 1.0  # p1, p2 hidden; p0 waited for
+    prefetcher.close()
