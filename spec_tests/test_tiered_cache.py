@@ -98,8 +98,15 @@ def test_budgets_too_small_for_the_sequence_raise_tier_full(tiny_model):
 
     ids = torch.randint(1, 256, (1, 64), generator=torch.Generator().manual_seed(4))
     cache = TieredCache(tiny_model.config, device_budget=4096, host_budget=4096)
-    with pytest.raises(TierFull, match="tier"):
+    with pytest.raises(TierFull, match="host tier: 4096 bytes needed, 0 of 4096 free"):
         greedy(tiny_model, ids, cache, 4)
+    # After the failed step the cache is reset; with room it then serves exactly.
+    cache.reset()
+    cache.store.check()
+    assert cache.store.pages == {}
+    ids = ids[:, :10]  # 13 tokens: each layer's tail, no page
+    expected = greedy(tiny_model, ids, DynamicCache(config=tiny_model.config), 4)
+    assert torch.equal(greedy(tiny_model, ids, cache, 4), expected)
 
 
 def test_beam_search_is_refused_with_a_clear_error(tiny_model):
@@ -139,3 +146,148 @@ def test_smollm2_with_a_quarter_of_the_kv_on_device_makes_dynamic_cache_tokens(t
     assert stats["bytes_used"]["device"] <= kv_bytes // 4
     assert stats["pages_homed"]["disk"] > 0
     cache.close()
+
+
+# --------------------------------------------------------------------------- save and resume
+FIRST_TURN = """
+import sys, torch
+from transformers import LlamaForCausalLM
+from kvstack.tiers import TieredCache
+from spec_tests.tiny import tiny_llama_config
+
+weights, disk_path, ids_path, out_path = sys.argv[1:]
+model = LlamaForCausalLM(tiny_llama_config(num_hidden_layers=3)).eval()
+model.load_state_dict(torch.load(weights))
+model.generation_config.pad_token_id = 0
+ids = torch.load(ids_path)
+cache = TieredCache(model.config, device_budget="8KiB", host_budget="8KiB", disk_path=disk_path,
+                    disk_budget="1MiB", policy="cost")
+out = model.generate(ids, past_key_values=cache, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+cache.save(out)
+torch.save(out, out_path)
+"""
+
+BUDGETS = dict(device_budget="8KiB", host_budget="8KiB", disk_budget="1MiB", policy="cost")
+
+
+def first_turn_in_another_process(model, tmp_path):
+    import subprocess
+    import sys
+
+    weights, ids_path, out_path = tmp_path / "w.pt", tmp_path / "ids.pt", tmp_path / "out.pt"
+    torch.save(model.state_dict(), weights)
+    torch.save(torch.randint(1, 256, (1, 40), generator=torch.Generator().manual_seed(6)), ids_path)
+    disk_path = tmp_path / "conversation"
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            FIRST_TURN,
+            str(weights),
+            str(disk_path),
+            str(ids_path),
+            str(out_path),
+        ],
+        check=True,
+        env={
+            **__import__("os").environ,
+            "PYTHONPATH": str(__import__("pathlib").Path(__file__).parents[1]),
+        },
+    )
+    return disk_path, torch.load(out_path)
+
+
+def test_a_conversation_saved_by_one_process_resumes_in_another_with_identical_tokens(
+    tiny_model, tmp_path
+):
+    disk_path, first = first_turn_in_another_process(tiny_model, tmp_path)
+    next_turn = torch.randint(1, 256, (1, 15), generator=torch.Generator().manual_seed(7))
+    ids = torch.cat([first, next_turn], dim=1)  # the whole conversation, as a chat would send it
+    expected = greedy(tiny_model, ids, DynamicCache(config=tiny_model.config), 10)
+    cache = TieredCache.resume(tiny_model.config, disk_path=disk_path, token_ids=ids, **BUDGETS)
+    assert cache.get_seq_length() == first.shape[1] - 1  # its last token was never fed back
+    got = greedy(tiny_model, ids, cache, 10)
+    assert torch.equal(got, expected)
+    stats = cache.stats()
+    assert stats["hits"]["disk"] > 0  # the first turn's K/V came from the saved pages
+    cache.store.check()
+    cache.close()
+
+
+def test_resume_refuses_other_tokens_another_geometry_and_a_damaged_manifest(tiny_model, tmp_path):
+    from kvstack.errors import PageCorrupted
+
+    disk_path, first = first_turn_in_another_process(tiny_model, tmp_path)
+    other = first.clone()
+    other[0, 5] = (other[0, 5] + 1) % 256
+    with pytest.raises(InvalidArgumentError, match="token_ids do not start with the 51 tokens"):
+        TieredCache.resume(tiny_model.config, disk_path=disk_path, token_ids=other, **BUDGETS)
+    with pytest.raises(InvalidArgumentError, match="saved for .*'block_size': 16"):
+        TieredCache.resume(
+            tiny_model.config, disk_path=disk_path, token_ids=first, block_size=8, **BUDGETS
+        )
+    with pytest.raises(InvalidArgumentError, match="holds no saved conversation"):
+        TieredCache.resume(
+            tiny_model.config, disk_path=tmp_path / "empty", token_ids=first, **BUDGETS
+        )
+    manifest = disk_path / "conversation.json"
+    data = bytearray(manifest.read_bytes())
+    data[-2] ^= 1
+    manifest.write_bytes(bytes(data))
+    with pytest.raises(PageCorrupted, match="conversation.json"):
+        TieredCache.resume(tiny_model.config, disk_path=disk_path, token_ids=first, **BUDGETS)
+
+
+def test_a_corrupt_saved_page_raises_instead_of_attending_to_wrong_keys(tiny_model, tmp_path):
+    from kvstack.errors import PageCorrupted
+
+    disk_path, first = first_turn_in_another_process(tiny_model, tmp_path)
+    page = disk_path / "L1.B0.page"
+    data = bytearray(page.read_bytes())
+    data[-5] ^= 0x40
+    page.write_bytes(bytes(data))
+    cache = TieredCache.resume(tiny_model.config, disk_path=disk_path, token_ids=first, **BUDGETS)
+    with pytest.raises(PageCorrupted, match="L1.B0.page"):
+        greedy(tiny_model, first, cache, 2)
+    cache.close()
+
+
+def test_a_batch_of_two_makes_dynamic_cache_tokens_and_its_page_size_is_checked(
+    tiny_model, tmp_path
+):
+    ids = torch.randint(1, 256, (2, 40), generator=torch.Generator().manual_seed(8))
+    expected = greedy(tiny_model, ids, DynamicCache(config=tiny_model.config), 8)
+    cache = TieredCache(
+        tiny_model.config,
+        device_budget="16KiB",
+        host_budget="16KiB",
+        disk_path=tmp_path,
+        disk_budget="1MiB",
+    )
+    assert torch.equal(greedy(tiny_model, ids, cache, 8), expected)
+    assert cache.stats()["pages_homed"]["disk"] > 0
+    small = TieredCache(tiny_model.config, device_budget=4096, host_budget=0)  # one row's page
+    with pytest.raises(
+        InvalidArgumentError, match="device_budget=4096 cannot hold one page of this batch \\(8192"
+    ):
+        greedy(tiny_model, ids, small, 2)
+    assert small.store.pages == {}
+
+
+def test_a_cache_for_another_device_and_a_directory_with_pages_are_refused(tiny_model, tmp_path):
+    ids = torch.randint(1, 256, (1, 20), generator=torch.Generator().manual_seed(9))
+    cache = TieredCache(tiny_model.config, device_budget="1MiB", host_budget=0, device="meta")
+    with pytest.raises(KVStackError, match="built with device='meta'.*on cpu"):
+        greedy(tiny_model, ids, cache, 2)
+    first = TieredCache(
+        tiny_model.config, device_budget=4096, host_budget=0, disk_path=tmp_path, disk_budget="1MiB"
+    )
+    greedy(tiny_model, torch.randint(1, 256, (1, 40)), first, 2)  # pages on disk
+    with pytest.raises(InvalidArgumentError, match="already holds pages"):
+        TieredCache(
+            tiny_model.config,
+            device_budget="1MiB",
+            host_budget=0,
+            disk_path=tmp_path,
+            disk_budget="1MiB",
+        )

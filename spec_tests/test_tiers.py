@@ -258,14 +258,18 @@ def test_a_prefetched_copy_serves_reads_and_is_dropped_before_any_home(tmp_path)
 
 def test_the_attention_and_cost_rules_rank_as_their_papers_say():
     pages = [
-        PageInfo("sink", 1024, "device", position=0, tokens=16, uses=50, attention=0.6),
-        PageInfo("stale", 1024, "device", position=4000, tokens=16, uses=1, attention=0.01),
+        PageInfo(
+            "sink", 1024, "device", position=0, tokens=16, uses=50, attention=0.6, last_used=2
+        ),
+        PageInfo(
+            "stale", 1024, "device", position=4000, tokens=16, uses=1, attention=0.01, last_used=5
+        ),
         PageInfo(
             "recent", 1024, "device", position=4016, tokens=16, uses=5, attention=0.2, last_used=9
         ),
     ]
     by_key = lambda ranked: [p.key for p in ranked]  # noqa: E731
-    assert by_key(LRU().rank(pages, 10, "host")) == ["sink", "stale", "recent"]
+    assert by_key(LRU().rank(pages, 10, "host")) == ["sink", "stale", "recent"]  # by last use
     assert by_key(AttentionAware().rank(pages, 10, "host")) == ["stale", "recent", "sink"]
     cost = CostAware()
     # Bringing a page back from host is cheaper than recomputing it; from nowhere (dropped),
@@ -382,17 +386,42 @@ def test_a_prefetched_page_is_taken_only_once_its_copy_completed_and_hides_its_t
     prefetcher = Prefetcher(store, "cpu")
     prefetcher.prefetch(list(pages))
     taken: list[dict] = []
-    taker = threading.Thread(target=lambda: taken.append(prefetcher.take("p0")))
+    taker = threading.Thread(target=lambda: taken.append(prefetcher.take("p0")[0]))
     taker.start()
     taker.join(timeout=0.2)
     assert taker.is_alive() and not taken  # its copy has not completed: take waits
     release.set()
     taker.join(timeout=10)
     assert same_page(taken[0], pages["p0"])
+    assert prefetcher.stall_seconds >= 0.2  # p0's wait
     time.sleep(0.3)  # "compute" while p1 and p2 arrive
+    stall, transfer = prefetcher.stall_seconds, prefetcher.transfer_seconds
     for key in ("p1", "p2"):
-        assert same_page(prefetcher.take(key), pages[key])
+        assert same_page(prefetcher.take(key)[0], pages[key])
+    # p1 and p2 took at least 50 ms each to fetch, all of it hidden behind the "compute".
+    assert prefetcher.transfer_seconds - transfer >= 0.1
+    assert prefetcher.stall_seconds - stall < 0.05
     assert store.stats()["hits"]["disk"] == 3
     assert prefetcher.bytes_fetched["disk"] == 3 * page_nbytes(pages["p0"])
-    assert 0.3 < prefetcher.overlap_fraction < 1.0  # p1, p2 hidden; p0 waited for
+    assert 0.0 < prefetcher.overlap_fraction < 1.0
     prefetcher.close()
+
+
+def test_a_host_tier_that_is_off_sends_demoted_pages_to_disk(tmp_path):
+    size = page_nbytes(kv_page(0))
+    store = TieredStore(device_bytes=size, host_bytes=0, disk_path=tmp_path, disk_bytes=1 << 20)
+    store.put("a", kv_page(0))
+    store.put("b", kv_page(1))
+    assert store.tiers_of("a") == ["disk"] and store.tiers_of("b") == ["device"]
+    assert same_page(store.get("a")[0], kv_page(0))
+    store.check()
+
+
+@pytest.mark.parametrize("page", [{}, {"k": [1, 2]}, [torch.zeros(2)], {3: torch.zeros(2)}])
+def test_a_page_that_is_no_dict_of_tensors_is_refused_and_nothing_changes(page):
+    store = TieredStore(device_bytes=1 << 20, host_bytes=0)
+    store.put("a", kv_page(0))
+    with pytest.raises(InvalidArgumentError, match="page for 'b'.*expected a non-empty dict"):
+        store.put("b", page)
+    assert list(store.pages) == ["a"]
+    store.check()

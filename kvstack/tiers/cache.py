@@ -14,9 +14,10 @@ copies: the attention sees exactly the keys ``DynamicCache`` would hold, so the 
 same) and then hands the next layer's pages to the ``Prefetcher``, which fetches them while this
 layer's attention and MLP run.
 
-Device memory is the device tier's budget, the layers' tails, and the pages of the layer being
-computed and the one being fetched (transient copies, freed after use); ``stats()`` reports
-each. This is the layer-wise streaming of offloading systems; attention over resident and
+Device memory is the device tier's budget, the layers' tails, and the pages one layer gathers
+for its attention (``peak_layer_page_bytes``; fetched copies are freed after use) plus those
+of the next layer being fetched. If a tier is too full for a step (``TierFull``), the cache
+must be ``reset()``: the layers before the failing one have taken the step. This is the layer-wise streaming of offloading systems; attention over resident and
 fetched segments merged by log-sum-exp, without gathering, is the next step.
 """
 
@@ -30,10 +31,25 @@ from transformers import Cache, DynamicCache
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 
 from kvstack.arena import parse_bytes
-from kvstack.errors import InvalidArgumentError, KVStackError
+from kvstack.errors import InvalidArgumentError, KVStackError, TierFull
 from kvstack.tiers.eviction import RULES, EvictionRule
 from kvstack.tiers.prefetch import Prefetcher
 from kvstack.tiers.store import TieredStore
+
+MANIFEST = "conversation.json"  # a saved conversation's record, on the disk tier
+
+
+def _token_list(token_ids: torch.Tensor | list[int]) -> list[int]:
+    """One sequence's ids as a list: a [1, n] or [n] tensor, or a list."""
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.dim() == 2 and token_ids.shape[0] == 1:
+            token_ids = token_ids[0]
+        if token_ids.dim() != 1:
+            raise InvalidArgumentError(
+                f"token_ids has shape {tuple(token_ids.shape)}; expected [n] or [1, n] (one sequence)"
+            )
+        return [int(t) for t in token_ids.tolist()]
+    return [int(t) for t in token_ids]
 
 
 class TieredLayer(CacheLayerMixin):
@@ -51,6 +67,7 @@ class TieredLayer(CacheLayerMixin):
         self.tail_values: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.cache.check_first_states(key_states)
         self.device = key_states.device
         self.tail_keys = key_states[..., :0, :]
         self.tail_values = value_states[..., :0, :]
@@ -65,22 +82,37 @@ class TieredLayer(CacheLayerMixin):
         keys = torch.cat([self.tail_keys, key_states], dim=-2)  # [B, H, tail + T, D]
         values = torch.cat([self.tail_values, value_states], dim=-2)
         full = keys.shape[-2] // block
-        for i in range(full):  # store each filled block as a page (on device, demoting others)
-            index = len(self.page_keys)
-            key = f"L{self.layer_idx}.B{index}"
-            span = slice(i * block, (i + 1) * block)
-            self.cache.store.put(
-                key,
-                {"k": keys[..., span, :], "v": values[..., span, :]},
-                position=index * block,
-                tokens=block,
-            )
-            self.page_keys.append(key)
+        stored = len(self.page_keys)
+        try:
+            for i in range(full):  # store each filled block as a page (on device, demoting others)
+                index = len(self.page_keys)
+                key = f"L{self.layer_idx}.B{index}"
+                span = slice(i * block, (i + 1) * block)
+                self.cache.store.put(
+                    key,
+                    {"k": keys[..., span, :], "v": values[..., span, :]},
+                    position=index * block,
+                    tokens=block,
+                )
+                self.page_keys.append(key)
+        except BaseException:
+            # This layer is left as it was before the step (its tail unchanged, the pages of
+            # this step gone). Earlier layers have taken the step: the cache as a whole can
+            # only be reset() now, which the error's caller (generate) cannot continue anyway.
+            for key in self.page_keys[stored:]:
+                self.cache.store.delete(key)
+            del self.page_keys[stored:]
+            raise
         # The tail is copied out so it does not keep this step's whole K/V alive.
         self.tail_keys = keys[..., full * block :, :].clone()
         self.tail_values = values[..., full * block :, :].clone()
-        pages = [self.cache.prefetcher.take(key) for key in self.page_keys]
-        self.cache.note_transient(pages)
+        pages = []
+        for key in self.page_keys:
+            page, tier = self.cache.prefetcher.take(key)
+            if tier != "device":  # room above (after a resume, or pages deleted): move it up
+                self.cache.store.promote(key, page)
+            pages.append(page)
+        self.cache.note_layer_pages(pages)
         self.cache.prefetch_after(self.layer_idx)
         all_keys = torch.cat([p["k"] for p in pages] + [self.tail_keys], dim=-2)  # [B, H, seen, D]
         all_values = torch.cat([p["v"] for p in pages] + [self.tail_values], dim=-2)
@@ -101,6 +133,9 @@ class TieredLayer(CacheLayerMixin):
     def reset(self) -> None:
         for key in self.page_keys:
             self.cache.store.delete(key)
+        tail = f"L{self.layer_idx}.tail"  # written by a save
+        if tail in self.cache.store.pages:
+            self.cache.store.delete(tail)
         self.page_keys = []
         self.tail_keys = self.tail_values = None
         self.is_initialized = False
@@ -133,7 +168,15 @@ class TieredCache(Cache):
         block_size: int = 16,
         device: str | torch.device = "cpu",
         prefetch_workers: int = 1,
+        _resuming: bool = False,
     ) -> None:
+        default_layers = DynamicCache(config=config).layers  # checked before anything is built
+        for index, layer in enumerate(default_layers):
+            if type(layer) is not DynamicLayer:
+                raise KVStackError(
+                    f"layer {index} is a {type(layer).__name__}; TieredCache supports models "
+                    "whose layers are all full attention (no sliding window, no state layers)"
+                )
         if not isinstance(block_size, int) or block_size <= 0:
             raise InvalidArgumentError(f"block_size={block_size!r}; expected a positive int")
         if isinstance(policy, str):
@@ -150,6 +193,9 @@ class TieredCache(Cache):
         dtype = getattr(text_config, "dtype", None) or torch.float32
         itemsize = dtype.itemsize if isinstance(dtype, torch.dtype) else 4
         self.block_size = block_size
+        self.kv_heads, self.head_dim = kv_heads, head_dim
+        self.dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
+        self.device = torch.device(device)
         self.page_bytes = 2 * block_size * kv_heads * head_dim * itemsize  # one row's K and V
         budgets = {
             name: parse_bytes(name, value)
@@ -179,26 +225,51 @@ class TieredCache(Cache):
             rule=policy,
             min_page_bytes=self.page_bytes,
         )
+        disk = self.store.disk
+        if disk is not None and not _resuming and (disk.keys() or disk.read_record(MANIFEST)):
+            raise InvalidArgumentError(
+                f"disk_path={str(disk_path)!r} already holds pages ({len(disk.keys())} files) or "
+                "a saved conversation; resume it with TieredCache.resume, or give an empty "
+                "directory"
+            )
         self.prefetcher = Prefetcher(self.store, device, workers=prefetch_workers)
-        layers: list[CacheLayerMixin] = []
-        for index, layer in enumerate(DynamicCache(config=config).layers):
-            if type(layer) is not DynamicLayer:
-                raise KVStackError(
-                    f"layer {index} is a {type(layer).__name__}; TieredCache supports models "
-                    "whose layers are all full attention (no sliding window, no state layers)"
-                )
-            layers.append(TieredLayer(self, index))
+        layers = [TieredLayer(self, index) for index in range(len(default_layers))]
         super().__init__(layers=layers)
-        self.peak_transient_bytes = 0
+        self.peak_layer_page_bytes = 0
 
     def prefetch_after(self, layer_idx: int) -> None:
         """Fetch the next layer's pages (after the last layer: the first, for the next step)."""
         following = self.layers[(layer_idx + 1) % len(self.layers)]
         self.prefetcher.prefetch(list(following.page_keys))
 
-    def note_transient(self, pages: list[dict[str, torch.Tensor]]) -> None:
-        fetched = sum(t.numel() * t.element_size() for p in pages for t in p.values())
-        self.peak_transient_bytes = max(self.peak_transient_bytes, fetched)
+    def note_layer_pages(self, pages: list[dict[str, torch.Tensor]]) -> None:
+        """Track the most page bytes one layer gathered for its attention (device-tier pages
+        and fetched copies alike)."""
+        gathered = sum(t.numel() * t.element_size() for p in pages for t in p.values())
+        self.peak_layer_page_bytes = max(self.peak_layer_page_bytes, gathered)
+
+    def check_first_states(self, key_states: torch.Tensor) -> None:
+        """Refuse K/V this cache was not built for, before any is stored: another device, or a
+        batch and dtype whose pages no budget can hold."""
+        if key_states.device != self.device and not (
+            key_states.device.type == self.device.type == "cuda" and self.device.index is None
+        ):
+            raise KVStackError(
+                f"TieredCache was built with device={str(self.device)!r}, but the model's K/V are "
+                f"on {key_states.device}; build it with device={str(key_states.device)!r}"
+            )
+        batch, heads, _, head_dim = key_states.shape
+        page = 2 * batch * heads * self.block_size * head_dim * key_states.element_size()
+        for name, budget in (
+            ("device_budget", self.store.capacity["device"]),
+            ("host_budget", self.store.capacity["host"]),
+            ("disk_budget", self.store.capacity["disk"]),
+        ):
+            if 0 < budget < page:
+                raise InvalidArgumentError(
+                    f"{name}={budget} cannot hold one page of this batch ({page} bytes: batch "
+                    f"{batch}, {heads} KV heads, {key_states.dtype}); expected 0 or at least {page}"
+                )
 
     def stats(self) -> dict[str, Any]:
         store = self.store.stats()
@@ -212,12 +283,127 @@ class TieredCache(Cache):
             **store,
             "seen_tokens": self.layers[0].get_seq_length(),
             "tail_bytes": tails,
-            "peak_layer_bytes": self.peak_transient_bytes,
+            "peak_layer_page_bytes": self.peak_layer_page_bytes,
             "fetched_bytes": dict(self.prefetcher.bytes_fetched),
             "transfer_seconds": self.prefetcher.transfer_seconds,
             "stall_seconds": self.prefetcher.stall_seconds,
             "overlap_fraction": self.prefetcher.overlap_fraction,
         }
+
+    # ------------------------------------------------------------------ across processes
+    def geometry(self) -> dict[str, Any]:
+        """What a saved conversation's pages assume about the model."""
+        return {
+            "layers": len(self.layers),
+            "block_size": self.block_size,
+            "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": str(self.dtype),
+        }
+
+    def save(self, token_ids: torch.Tensor | list[int]) -> None:
+        """Persist the conversation so far on the disk tier: every page gets a copy on disk
+        (pages already there are not written again), each layer's tail is written as a page,
+        and a manifest naming them, with the token ids whose K/V they hold, is written last
+        (atomically: a process killed before it leaves the previous save in force).
+        ``token_ids``: the conversation's ids, at least the tokens the cache has seen (the
+        output of ``generate``; its last token, never fed back, is not saved)."""
+        if self.store.disk is None:
+            raise InvalidArgumentError(
+                "save() needs a disk tier; build the cache with disk_path and disk_budget"
+            )
+        ids = _token_list(token_ids)
+        seen = self.get_seq_length()
+        if len(ids) < seen:
+            raise InvalidArgumentError(
+                f"token_ids has {len(ids)} tokens; expected at least the {seen} the cache has seen"
+            )
+        self.prefetcher.drain()
+        layers = []
+        for layer in self.layers:
+            for key in layer.page_keys:
+                self.store.copy(key, "disk")
+            tail = f"L{layer.layer_idx}.tail"
+            if tail in self.store.pages:
+                self.store.delete(tail)
+            if layer.is_initialized:
+                self.store.put(tail, {"k": layer.tail_keys, "v": layer.tail_values}, tier="disk")
+            layers.append(
+                {"pages": list(layer.page_keys), "tail": tail if layer.is_initialized else None}
+            )
+        missing = [
+            key
+            for entry in layers
+            for key in (*entry["pages"], *([entry["tail"]] if entry["tail"] else []))
+            if "disk" not in self.store.tiers_of(key)
+        ]
+        if missing:  # a later copy pushed an earlier one out: the budget cannot hold them all
+            raise TierFull(
+                f"disk tier: disk_budget={self.store.capacity['disk']} bytes cannot hold the "
+                f"conversation's {sum(len(e['pages']) + 1 for e in layers)} pages ({len(missing)} "
+                "did not fit); the previous save, if any, is still in force"
+            )
+        record = {
+            "geometry": self.geometry(),
+            "page_bytes": self.page_bytes,
+            "token_ids": ids[:seen],
+            "layers": layers,
+        }
+        self.store.disk.write_record(MANIFEST, record)
+
+    @classmethod
+    def resume(
+        cls,
+        config: Any,
+        *,
+        disk_path: str | os.PathLike,
+        token_ids: torch.Tensor | list[int],
+        **kwargs: Any,
+    ) -> TieredCache:
+        """A cache holding a saved conversation's K/V, in a new process: ``generate`` with
+        ``token_ids`` (the saved tokens and anything after them, e.g. the next user turn)
+        computes only the new tokens. Pages stay on disk until read (checked against their
+        checksums then). Pages the manifest does not name (a save that never finished) are
+        deleted. ``kwargs``: the budgets and policy, as for the constructor."""
+        cache = cls(config, disk_path=disk_path, _resuming=True, **kwargs)
+        disk = cache.store.disk
+        record = disk.read_record(MANIFEST)
+        if record is None:
+            raise InvalidArgumentError(f"disk_path={str(disk_path)!r} holds no saved conversation")
+        if record["geometry"] != cache.geometry():
+            raise InvalidArgumentError(
+                f"the conversation in {str(disk_path)!r} was saved for {record['geometry']}; "
+                f"this config and block size give {cache.geometry()}"
+            )
+        saved, ids = record["token_ids"], _token_list(token_ids)
+        if ids[: len(saved)] != saved:
+            raise InvalidArgumentError(
+                f"token_ids do not start with the {len(saved)} tokens saved in {str(disk_path)!r}; "
+                "its K/V belong to those tokens only"
+            )
+        named = {k for e in record["layers"] for k in (*e["pages"], e["tail"]) if k}
+        for key in disk.keys():
+            if key not in named:
+                disk.delete(key)
+        for layer, entry in zip(cache.layers, record["layers"], strict=True):
+            for index, key in enumerate(entry["pages"]):
+                cache.store.adopt_disk_page(
+                    key,
+                    record["page_bytes"],
+                    position=index * cache.block_size,
+                    tokens=cache.block_size,
+                )
+                layer.page_keys.append(key)
+            if entry["tail"]:
+                tail = disk.read(entry["tail"])
+                layer.lazy_initialization(tail["k"].to(cache.device), tail["v"].to(cache.device))
+                layer.tail_keys, layer.tail_values = (
+                    tail["k"].to(cache.device),
+                    tail["v"].to(cache.device),
+                )
+                disk.delete(entry["tail"])  # the next save writes the tail afresh
+        cache.prefetch_after(-1)  # the first layer's pages, for the first step
+        return cache
 
     def reset(self) -> None:
         """Forget every token: pending fetches are drained first (page keys are reused)."""

@@ -107,6 +107,25 @@ def decode_page(data: bytes, source: str) -> tuple[str, Page]:
     return header["key"], page
 
 
+def _writer_alive(temp_name: str) -> bool:
+    """Whether the process that named this temporary file (``.NAME.PID.UUID.tmp``) still runs:
+    its write may be in progress, so it is not swept."""
+    parts = temp_name.split(".")
+    try:
+        pid = int(parts[-3])
+    except (IndexError, ValueError):
+        return False
+    if pid == os.getpid():
+        return False  # this process has no write in progress while it opens a tier
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _write_all(handle, data: bytes) -> None:
     """Write and flush to the device (the one place a full disk shows up: tests replace it to
     simulate ENOSPC)."""
@@ -145,7 +164,8 @@ class DiskTier:
         self._sizes: dict[str, int] = {}  # key -> bytes of its file
         for entry in directory.iterdir():
             if entry.name.startswith(".") and entry.name.endswith(TEMP_SUFFIX):
-                entry.unlink(missing_ok=True)  # a write that never reached its rename
+                if not _writer_alive(entry.name):
+                    entry.unlink(missing_ok=True)  # a write that never reached its rename
             elif entry.name.endswith(PAGE_SUFFIX):
                 self._sizes[entry.name.removesuffix(PAGE_SUFFIX)] = entry.stat().st_size
         if self.bytes_used > capacity_bytes:
@@ -192,29 +212,63 @@ class DiskTier:
                 f"disk tier {str(self.path)!r}: page {key!r} needs {len(data)} bytes, "
                 f"{free} of capacity_bytes={self.capacity_bytes} are free"
             )
-        temp = self.path / f".{key}.{os.getpid()}.{uuid.uuid4().hex}{TEMP_SUFFIX}"
+        self._replace_atomically(self.file_of(key), data, f"page {key!r}")
+        self._sizes[key] = len(data)
+        return len(data)
+
+    def _replace_atomically(self, target: Path, data: bytes, what: str) -> None:
+        """Write ``data`` to a hidden temporary file, fsync it, rename it onto ``target`` and
+        fsync the directory: ``target`` holds either its old bytes or all of ``data``."""
+        temp = self.path / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex}{TEMP_SUFFIX}"
         try:
             with open(temp, "xb") as handle:
                 _write_all(handle, data)
-            os.replace(temp, self.file_of(key))
+            os.replace(temp, target)
         except OSError as error:
             temp.unlink(missing_ok=True)
             if error.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise TierFull(
-                    f"disk tier {str(self.path)!r}: the disk is full writing page {key!r} "
+                    f"disk tier {str(self.path)!r}: the disk is full writing {what} "
                     f"({len(data)} bytes); nothing was written"
                 ) from error
             raise
         self._fsync_directory()
-        self._sizes[key] = len(data)
-        return len(data)
+
+    def write_record(self, name: str, record: dict) -> None:
+        """Store a small JSON record (a saved conversation's manifest) under ``name`` (a file
+        name ending in ``.json``), atomically and with a checksum, like a page."""
+        body = json.dumps(record, sort_keys=True).encode()
+        data = MAGIC + hashlib.sha256(body).digest() + body
+        self._replace_atomically(self.path / name, data, f"record {name!r}")
+
+    def read_record(self, name: str) -> dict | None:
+        """The record under ``name`` (None if there is none); ``PageCorrupted`` if damaged."""
+        source = self.path / name
+        if not source.exists():
+            return None
+        data = source.read_bytes()
+        head = len(MAGIC) + DIGEST_BYTES
+        body = data[head:]
+        if data[: len(MAGIC)] != MAGIC or hashlib.sha256(body).digest() != data[len(MAGIC) : head]:
+            raise PageCorrupted(f"{source}: checksum mismatch or not a kvstack record")
+        return json.loads(body)
 
     def read(self, key: str) -> Page:
         """The page under ``key``, checked against its checksum (``PageCorrupted`` if not)."""
+        return self.read_opened(key, self.open(key))
+
+    def open(self, key: str):
+        """An open handle on ``key``'s file: the cheap step a caller does under its lock. The
+        file stays readable through the handle even if the page is deleted or replaced after."""
         if key not in self._sizes:
             raise KeyError(f"page {key!r} is not on the disk tier {str(self.path)!r}")
+        return open(self.file_of(key), "rb")
+
+    def read_opened(self, key: str, handle) -> Page:
+        """Read, check and decode the page from ``handle`` (``open(key)``), closing it."""
+        with handle:
+            data = handle.read()
         source = self.file_of(key)
-        data = source.read_bytes()
         stored_key, page = decode_page(data, str(source))
         if stored_key != key:
             raise PageCorrupted(f"{source}: holds page {stored_key!r}, expected {key!r}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -40,8 +40,9 @@ class Prefetcher:
             if key not in self._pending:
                 self._pending[key] = self._pool.submit(self._fetch, key)
 
-    def take(self, key: str) -> Page:
-        """The page on the device, once its copy is complete; counts the read in the store."""
+    def take(self, key: str) -> tuple[Page, str]:
+        """The page on the device, once its copy is complete, and the tier it came from; counts
+        the read in the store."""
         future = self._pending.pop(key, None)
         start = time.perf_counter()
         if future is None:  # not prefetched: the caller fetches it and waits for all of it
@@ -52,12 +53,15 @@ class Prefetcher:
             page, tier, event, seconds = future.result()
             self.transfer_seconds += seconds
         if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(event)
+            for tensor in page.values():  # made on the side stream, freed after the compute
+                tensor.record_stream(compute)  # stream's use: the allocator must wait for it
         self.stall_seconds += time.perf_counter() - start
         self.store.touch(key, tier)
         if tier != "device":
             self.bytes_fetched[tier] += page_nbytes(page)
-        return page
+        return page, tier
 
     def _fetch(self, key: str) -> tuple[Page, str, torch.cuda.Event | None, float]:
         start = time.perf_counter()
@@ -80,9 +84,10 @@ class Prefetcher:
         return max(0.0, 1.0 - self.stall_seconds / self.transfer_seconds)
 
     def drain(self) -> None:
-        """Wait for every pending fetch and forget it (a reset: nothing will take them)."""
-        for future in self._pending.values():
-            future.result()
+        """Wait for every pending fetch and forget it (a reset: nothing will take them). A fetch
+        that failed (a page deleted or corrupt meanwhile) is forgotten with its error: the page
+        is not used, and a later read of it raises again."""
+        wait(list(self._pending.values()))
         self._pending.clear()
 
     def close(self) -> None:

@@ -46,6 +46,13 @@ def _locked(method):
 
 
 class TieredStore:
+    """Pages (dicts of named tensors) with one home tier each and any number of copies.
+
+    Budgets: ``device_bytes`` and ``host_bytes`` of page tensors, ``disk_bytes`` of page files
+    under ``disk_path``; 0 switches a tier off. ``rule`` ranks a full tier's pages for demotion
+    (default ``LRU``). Methods that make room take ``protect``: a page that must not leave (the
+    one being written). Thread-safe: every method holds ``lock``."""
+
     def __init__(
         self,
         *,
@@ -116,6 +123,15 @@ class TieredStore:
         cost-aware rule price recomputing it."""
         check_key(key)
         self._check_tier(tier)
+        if (
+            not isinstance(page, dict)
+            or not page
+            or not all(isinstance(n, str) and isinstance(t, torch.Tensor) for n, t in page.items())
+        ):
+            raise InvalidArgumentError(
+                f"page for {key!r} is {type(page).__name__} {page!r:.80}; expected a non-empty "
+                "dict of name -> tensor"
+            )
         if key in self.pages:
             raise InvalidArgumentError(f"page key {key!r} is already stored; expected a new key")
         info = PageInfo(key, page_nbytes(page), tier, position=position, tokens=tokens)
@@ -124,17 +140,25 @@ class TieredStore:
         self.pages[key] = info
 
     def get(self, key: str) -> tuple[Page, str]:
-        """The page and the tier that served it (the fastest holding it); counts a hit there."""
+        """The page and the tier that served it (the fastest holding it); counts a hit there.
+        (Not atomic with other threads' moves: the page may change tier between the read and
+        the count; the bytes returned are the page's either way.)"""
         page, tier = self.peek(key)
         self.touch(key, tier)
         return page, tier
 
-    @_locked
     def peek(self, key: str) -> tuple[Page, str]:
         """``get`` without counting the read (a prefetch: ``touch`` counts it when it is used).
-        Pages from host or disk are on the CPU; the caller copies them where it needs them."""
-        tier = self.tiers_of(key)[0]
-        return self._read(tier, key), tier
+        Pages from host or disk are on the CPU; the caller copies them where it needs them and
+        never changes the tensors (memory tiers hand out their own). Only finding the page holds
+        the lock: a disk page's file is opened under it and read and checked after, so a
+        prefetch worker's disk read does not stall the thread that runs the model."""
+        with self.lock:
+            tier = self.tiers_of(key)[0]
+            if tier != "disk":
+                return self._read(tier, key), tier
+            handle = self.disk.open(key)
+        return self.disk.read_opened(key, handle), tier
 
     @_locked
     def touch(self, key: str, tier: str) -> None:
@@ -145,6 +169,18 @@ class TieredStore:
         self.hits[tier] += 1
 
     @_locked
+    def adopt_disk_page(self, key: str, nbytes: int, *, position: int = 0, tokens: int = 0) -> None:
+        """Name a page already on the disk tier (written by an earlier process) as homed there;
+        ``nbytes``: its tensors' bytes, what a memory tier will hold for it."""
+        if self.disk is None or key not in self.disk:
+            raise KeyError(f"page {key!r} is not on the disk tier")
+        if key in self.pages:
+            raise InvalidArgumentError(f"page key {key!r} is already stored; expected a new key")
+        info = PageInfo(key, nbytes, "disk", position=position, tokens=tokens)
+        info.stored_at = info.last_used = self.clock
+        self.pages[key] = info
+
+    @_locked
     def copy(self, key: str, tier: str) -> None:
         """Add a copy of ``key`` in ``tier`` (a prefetch); its home does not change."""
         self._check_tier(tier)
@@ -153,6 +189,8 @@ class TieredStore:
             return
         source = self.tiers_of(key)[0]
         page = self._read(source, key)
+        # (Making room may demote the source page itself meanwhile; the move is counted from
+        # where its bytes were read.)
         self._write(tier, info, page, protect=key)
         info.copies.add(tier)
         self.bytes_moved[f"{source}->{tier}"] += info.nbytes
@@ -169,6 +207,28 @@ class TieredStore:
         info.copies.discard(tier)
         info.home = tier
         self._erase(old, key)
+
+    @_locked
+    def promote(self, key: str, page: Page) -> str | None:
+        """Move the page's home up to the fastest tier with free room for it, from ``page``
+        (its bytes, already read), demoting nothing; returns the new home (None: no room). A
+        page leaving disk keeps its file as a copy (a later save need not write it again)."""
+        info = self._info(key)
+        for tier in TIERS[: TIERS.index(info.home)]:
+            if tier not in info.copies:
+                if self.capacity[tier] == 0 or self.bytes_free(tier) < info.nbytes:
+                    continue
+                self._write(tier, info, page)
+                self.bytes_moved[f"{info.home}->{tier}"] += info.nbytes
+            old = info.home
+            info.copies.discard(tier)
+            info.home = tier
+            if old == "disk":
+                info.copies.add(old)
+            else:
+                self._erase(old, key)
+            return tier
+        return None
 
     @_locked
     def drop_copy(self, key: str, tier: str) -> None:
@@ -203,12 +263,13 @@ class TieredStore:
             if self.bytes_free(tier) >= nbytes:
                 return
             self.drop_copy(key, tier)
-        lower = TIERS[TIERS.index(tier) + 1] if tier != TIERS[-1] else None
+        # Demote to the next tier that is on (a host tier of 0 bytes sends pages to disk).
+        lower = next((t for t in TIERS[TIERS.index(tier) + 1 :] if self.capacity[t] > 0), None)
         homed = [p for p in self.pages.values() if p.home == tier and p.key != protect]
         for victim in self.rule.rank(homed, self.clock, lower):
             if self.bytes_free(tier) >= nbytes:
                 return
-            if lower is None or self.capacity[lower] == 0:
+            if lower is None:
                 break
             self.move(victim.key, lower)
         if self.bytes_free(tier) < nbytes:
