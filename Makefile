@@ -59,6 +59,7 @@ bench: install
 	$(MAKE) kvpress-env
 	OMP_NUM_THREADS=1 $(BIN)/kvstack bench kvpress --out bench_results/kvpress
 	OMP_NUM_THREADS=1 $(BIN)/kvstack bench tangram --out bench_results/tangram
+	OMP_NUM_THREADS=1 $(BIN)/kvstack bench tiers --out bench_results/tiers
 	$(BIN)/kvstack figures
 
 figures: install

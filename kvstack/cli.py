@@ -1,7 +1,7 @@
 """The ``kvstack`` command.
 
     kvstack bench SUITE --out DIR [--quick]  run a benchmark (core, vtoken, quality, arena,
-                                             serve, kvpress, tangram, gpu): its report under DIR,
+                                             serve, kvpress, tangram, tiers, gpu): its report under DIR,
                                              its results (full runs) in
                                              bench/results/SUITE.json, to be committed
     kvstack figures [--check]                render the README's figure tables from those files;
@@ -54,6 +54,11 @@ BENCH_SUITES = {
         "calibrated per-head budgets: head-group overallocation, work-list balance and planning "
         "time (SmolLM2)",
         "three short pilot samples",
+    ),
+    "tiers": (
+        "TieredCache with most of the KV on host and disk: decode speed, prefetch overlap, "
+        "bytes per token, resume from disk (SmolLM2)",
+        "a short prompt",
     ),
     "gpu": ("generate speed on a CUDA device (SmolLM2 architecture)", "eight new tokens"),
 }

@@ -212,6 +212,9 @@ def test_a_conversation_saved_by_one_process_resumes_in_another_with_identical_t
     assert stats["hits"]["disk"] > 0  # the first turn's K/V came from the saved pages
     cache.store.check()
     cache.close()
+    again = TieredCache.resume(tiny_model.config, disk_path=disk_path, token_ids=ids, **BUDGETS)
+    assert torch.equal(greedy(tiny_model, ids, again, 10), expected)  # the save is intact
+    again.close()
 
 
 def test_resume_refuses_other_tokens_another_geometry_and_a_damaged_manifest(tiny_model, tmp_path):

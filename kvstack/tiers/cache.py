@@ -396,17 +396,18 @@ class TieredCache(Cache):
                 layer.page_keys.append(key)
             if entry["tail"]:
                 tail = disk.read(entry["tail"])
-                layer.lazy_initialization(tail["k"].to(cache.device), tail["v"].to(cache.device))
-                layer.tail_keys, layer.tail_values = (
-                    tail["k"].to(cache.device),
-                    tail["v"].to(cache.device),
-                )
-                disk.delete(entry["tail"])  # the next save writes the tail afresh
+                keys, values = tail["k"].to(cache.device), tail["v"].to(cache.device)
+                layer.lazy_initialization(keys, values)
+                layer.tail_keys, layer.tail_values = keys, values
+                # Kept on disk, named in the store: resuming twice finds the save intact.
+                cache.store.adopt_disk_page(entry["tail"], keys.nbytes + values.nbytes)
         cache.prefetch_after(-1)  # the first layer's pages, for the first step
         return cache
 
     def reset(self) -> None:
-        """Forget every token: pending fetches are drained first (page keys are reused)."""
+        """Forget every token, deleting its pages from every tier (a resumed conversation's
+        saved pages too: resume it again from a copy of its directory if it must survive);
+        pending fetches are drained first (page keys are reused)."""
         self.prefetcher.drain()
         super().reset()
 

@@ -1,0 +1,359 @@
+"""The tiers benchmark: SmolLM2 decoding with most of its KV on host and disk (``TieredCache``).
+
+Workload: SmolLM2-135M-Instruct on CPU, float32, one torch thread, sdpa attention; a benchmark
+prompt of ``PROMPT_TOKENS`` tokens, then ``DECODE_TOKENS`` greedy decode steps. The KV the
+sequence holds at the end is ``kv_bytes``; the tiered runs give the device tier a quarter of it,
+the host tier a quarter, and put the rest on disk (a temporary directory: on this machine the
+page files are served from the OS page cache, so a disk read is a file read plus the page's
+SHA-256 check, not a device access). Prefill is untimed; each configuration's decode steps are
+timed in rounds, interleaved with the others (``time_interleaved``), medians over rounds.
+
+* ``tiers.decode_speed_ratio.device25``: decode tokens/s with a quarter of the KV on device
+  (cost-aware demotion) ÷ the same ``TieredCache`` with every page on device (no transfers).
+  Both sides run the same code (every layer gathers its pages each step); what differs is
+  where the pages are read from. Target >= 0.8.
+* ``tiers.overlap_fraction``: in that run, the share of fetch time the model's thread did not
+  wait for (the prefetcher fetches the next layer's pages on a worker thread). Target >= 0.9.
+* ``tiers.bytes_per_token.{lru,cost}`` and ``tiers.hit_rate.{lru,cost}``: bytes read from host
+  and disk per decode token, and the share of page reads the device tier served. Every decode
+  step reads every page (full attention), so the rules can only differ in which pages sit on
+  the device; the attention-aware rule needs attention weights, which sdpa does not give
+  ``TieredCache``: it is not measured here.
+* ``tiers.resume_speedup``: time to the first token of a conversation's next turn, re-prefilling
+  the whole conversation with ``DynamicCache`` ÷ resuming its saved pages from disk
+  (``TieredCache.resume``, then prefill of the new turn only).
+* ``tiers.tokens_equal_dynamic``: of the tiered runs, those whose tokens equal DynamicCache's.
+
+Not measured yet (the tiers are not under the engine): the cost-vs-LRU TTFT of a multi-turn
+trace and the scheduler's bytes per token against FIFO.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvstack.bench.suite import Figure, Measured, figure_table, format_value, run_suite
+from kvstack.bench.timing import time_interleaved
+
+NAME = "tiers"
+DEPENDS_ON = (
+    "kvstack/tiers",
+    "kvstack/models.py",
+    "kvstack/arena.py",  # parse_bytes
+    "reference/arena.py",
+    "bench/tiers.py",
+    "bench/timing.py",
+    "bench/prompts.py",
+    "bench/data",
+)
+MODEL_NAME = "SmolLM2-135M-Instruct (kvstack.models.load_smollm2: dequantised Q4_1, fp32)"
+PROMPT_TOKENS, DECODE_TOKENS, NEXT_TURN_TOKENS = 1024, 32, 32
+QUICK_PROMPT_TOKENS, QUICK_DECODE_TOKENS, QUICK_NEXT_TURN_TOKENS = 96, 4, 8
+DEVICE_SHARE, HOST_SHARE = 0.25, 0.25
+REPEATS = 5
+BLOCK_SIZE = 16
+
+
+def _prompt(tokenizer: Any, tokens: int) -> torch.Tensor:
+    from kvstack.bench.prompts import build_prompts
+
+    for prompt in build_prompts(tokenizer):
+        if prompt.num_tokens >= tokens:
+            return prompt.input_ids[:, :tokens]
+    raise AssertionError(f"no benchmark prompt has {tokens} tokens")
+
+
+def kv_bytes_of(model: Any, tokens: int) -> int:
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    itemsize = next(model.parameters()).element_size()
+    return config.num_hidden_layers * 2 * tokens * config.num_key_value_heads * head_dim * itemsize
+
+
+def measure(quick: bool, log: Callable[[str], None]) -> Measured:
+    from transformers import DynamicCache
+
+    from kvstack.models import load_smollm2
+    from kvstack.tiers import TieredCache
+
+    prompt_tokens = QUICK_PROMPT_TOKENS if quick else PROMPT_TOKENS
+    decode_tokens = QUICK_DECODE_TOKENS if quick else DECODE_TOKENS
+    next_turn_tokens = QUICK_NEXT_TURN_TOKENS if quick else NEXT_TURN_TOKENS
+    repeats = 1 if quick else REPEATS
+    model, tokenizer = load_smollm2(progress=False)
+    model.set_attn_implementation("sdpa")
+    ids = _prompt(tokenizer, prompt_tokens)
+    kv_bytes = kv_bytes_of(model, prompt_tokens + decode_tokens)
+    scratch = tempfile.TemporaryDirectory(prefix="kvstack-tiers-")
+    runs = 0
+
+    def tiered(share: float | None, policy: str) -> TieredCache:
+        nonlocal runs
+        runs += 1
+        if share is None:  # every page on device
+            return TieredCache(
+                model.config, device_budget=2 * kv_bytes, host_budget=0, policy=policy
+            )
+        return TieredCache(
+            model.config,
+            device_budget=int(DEVICE_SHARE * kv_bytes),
+            host_budget=int(HOST_SHARE * kv_bytes),
+            disk_path=Path(scratch.name) / f"run{runs}",
+            disk_budget=2 * kv_bytes,
+            policy=policy,
+        )
+
+    def decode(cache: Any) -> tuple[list[int], dict[str, Any]]:
+        """Prefill (untimed by the caller's split), then ``decode_tokens`` greedy steps."""
+        with torch.inference_mode():
+            logits = model(ids, past_key_values=cache, use_cache=True).logits
+            tokens = [int(logits[0, -1].argmax())]
+            if isinstance(cache, TieredCache):  # count the decode steps only
+                cache.prefetcher.transfer_seconds = cache.prefetcher.stall_seconds = 0.0
+                cache.prefetcher.bytes_fetched.clear()
+                cache.store.hits.clear()
+            state: dict[str, Any] = {"cache": cache, "tokens": tokens}
+            return tokens, state
+
+    def steps(state: dict[str, Any]) -> None:
+        cache, tokens = state["cache"], state["tokens"]
+        with torch.inference_mode():
+            for _ in range(decode_tokens - 1):
+                step = torch.tensor([[tokens[-1]]])
+                logits = model(step, past_key_values=cache, use_cache=True).logits
+                tokens.append(int(logits[0, -1].argmax()))
+
+    configurations = {
+        "dynamic": lambda: DynamicCache(config=model.config),
+        "all_device": lambda: tiered(None, "cost"),
+        "device25_cost": lambda: tiered(DEVICE_SHARE, "cost"),
+        "device25_lru": lambda: tiered(DEVICE_SHARE, "lru"),
+    }
+    prepared: dict[str, dict[str, Any]] = {}
+
+    def prepare(round_index: int | None) -> None:  # untimed: a fresh cache, prefilled
+        for name, build in configurations.items():
+            old = prepared.pop(name, None)
+            if old is not None and isinstance(old["cache"], TieredCache):
+                old["cache"].close()
+            prepared[name] = decode(build())[1]
+
+    log(
+        f"{prompt_tokens}-token prompt, {decode_tokens} decode steps, KV {kv_bytes / 2**20:.1f} MiB"
+    )
+    finished: dict[str, list[dict[str, Any]]] = {name: [] for name in configurations}
+
+    def timed(name: str) -> Callable[[], None]:
+        def run() -> None:
+            steps(prepared[name])
+            finished[name].append(_summary(prepared[name]))
+
+        return run
+
+    timings = time_interleaved(
+        {name: timed(name) for name in configurations}, repeats, warmup=0, on_round=prepare
+    )
+    speed = {
+        name: (decode_tokens - 1) / statistics.median(seconds)
+        for name, seconds in timings.seconds.items()
+    }
+    for name, value in speed.items():
+        log(f"  {name}: {value:.1f} decode tokens/s")
+    last = {name: runs_[-1] for name, runs_ in finished.items()}
+    figures: dict[str, Figure] = {}
+    figures["tiers.decode_speed_ratio.device25"] = Figure(
+        speed["device25_cost"] / speed["all_device"],
+        "ratio",
+        "decode tokens/s, TieredCache with 25 % of the KV on device, 25 % host, the rest disk "
+        "(cost-aware) ÷ the same cache with every page on device",
+        (">=", 0.8),
+    )
+    figures["tiers.decode_speed_ratio.device25_over_dynamic"] = Figure(
+        speed["device25_cost"] / speed["dynamic"],
+        "ratio",
+        "the same tiered run ÷ DynamicCache (contiguous K/V, no pages)",
+    )
+    figures["tiers.overlap_fraction"] = Figure(
+        statistics.median(r["overlap_fraction"] for r in finished["device25_cost"]),
+        "fraction",
+        "share of the decode steps' fetch time the model's thread did not wait for (median of "
+        "the rounds)",
+        (">=", 0.9),
+    )
+    for policy in ("lru", "cost"):
+        summary = last[f"device25_{policy}"]
+        figures[f"tiers.bytes_per_token.{policy}"] = Figure(
+            summary["fetched_bytes"] / (decode_tokens - 1),
+            "bytes",
+            f"bytes read from host and disk per decode token ({policy} demotion)",
+        )
+        figures[f"tiers.hit_rate.{policy}"] = Figure(
+            summary["device_hit_rate"],
+            "fraction",
+            f"page reads served by the device tier during decode ({policy} demotion)",
+        )
+    reference = last["dynamic"]["tokens"]
+    tiered_runs = [r for name, rs in finished.items() if name != "dynamic" for r in rs]
+    figures["tiers.tokens_equal_dynamic"] = Figure(
+        sum(r["tokens"] == reference for r in tiered_runs) / len(tiered_runs),
+        "fraction",
+        "of the tiered decode runs whose tokens equal DynamicCache's",
+        (">=", 1.0),
+    )
+    for state in prepared.values():
+        if isinstance(state["cache"], TieredCache):
+            state["cache"].close()
+
+    log("resume: a saved conversation's next turn, against re-prefilling it")
+    resume_seconds, reprefill_seconds, resume_equal = _resume(
+        model, ids, decode_tokens, next_turn_tokens, kv_bytes, Path(scratch.name), repeats
+    )
+    figures["tiers.resume_speedup"] = Figure(
+        reprefill_seconds / resume_seconds,
+        "ratio",
+        "time to the next turn's first token: DynamicCache re-prefilling the whole conversation "
+        "÷ TieredCache.resume from disk plus prefill of the new turn",
+    )
+    figures["tiers.resume_tokens_equal"] = Figure(
+        float(resume_equal),
+        "fraction",
+        "the resumed turn's first token equals the re-prefilled one's",
+        (">=", 1.0),
+    )
+    scratch.cleanup()
+    workload = {
+        "model": MODEL_NAME,
+        "dtype": "float32",
+        "device": "cpu",
+        "attention": "sdpa",
+        "prompt_tokens": prompt_tokens,
+        "decode_tokens": decode_tokens,
+        "next_turn_tokens": next_turn_tokens,
+        "kv_bytes": kv_bytes,
+        "device_share": DEVICE_SHARE,
+        "host_share": HOST_SHARE,
+        "block_size": BLOCK_SIZE,
+        "repeats": repeats,
+        "decode_tokens_per_second": speed,
+        "resume_seconds": resume_seconds,
+        "reprefill_seconds": reprefill_seconds,
+        "runs": {name: rs[-1] | {"tokens": None} for name, rs in finished.items()},
+    }
+    return Measured(
+        figures=figures,
+        workload=workload,
+        title="kvstack tiers benchmark: TieredCache with most of the KV on host and disk",
+        sections=[],
+    )
+
+
+def _summary(state: dict[str, Any]) -> dict[str, Any]:
+    from kvstack.tiers import TieredCache
+
+    cache = state["cache"]
+    summary: dict[str, Any] = {"tokens": list(state["tokens"])}
+    if isinstance(cache, TieredCache):
+        stats = cache.stats()
+        reads = sum(stats["hits"].values())
+        summary |= {
+            "overlap_fraction": stats["overlap_fraction"],
+            "fetched_bytes": sum(stats["fetched_bytes"].values()),
+            "device_hit_rate": stats["hits"]["device"] / reads if reads else 1.0,
+            "bytes_used": stats["bytes_used"],
+            "peak_layer_page_bytes": stats["peak_layer_page_bytes"],
+        }
+    return summary
+
+
+def _resume(
+    model: Any,
+    ids: torch.Tensor,
+    decode_tokens: int,
+    next_turn_tokens: int,
+    kv_bytes: int,
+    scratch: Path,
+    repeats: int,
+) -> tuple[float, float, bool]:
+    """(median seconds to the next turn's first token resuming, the same re-prefilling, whether
+    the two first tokens agree)."""
+    from transformers import DynamicCache
+
+    from kvstack.tiers import TieredCache
+
+    budgets = dict(
+        device_budget=int(DEVICE_SHARE * kv_bytes),
+        host_budget=int(HOST_SHARE * kv_bytes),
+        disk_budget=4 * kv_bytes,
+        policy="cost",
+    )
+    saved = scratch / "conversation"
+    with torch.inference_mode():
+        first = TieredCache(model.config, disk_path=saved, **budgets)
+        conversation = model.generate(
+            ids,
+            past_key_values=first,
+            max_new_tokens=decode_tokens,
+            min_new_tokens=decode_tokens,
+            do_sample=False,
+        )
+        first.save(conversation)
+        first.close()
+    turn = torch.randint(1, 1000, (1, next_turn_tokens), generator=torch.Generator().manual_seed(0))
+    whole = torch.cat([conversation, turn], dim=1)
+    first_tokens: dict[str, int] = {}
+
+    def resume() -> None:
+        cache = TieredCache.resume(model.config, disk_path=saved, token_ids=whole, **budgets)
+        seen = cache.get_seq_length()
+        with torch.inference_mode():
+            logits = model(whole[:, seen:], past_key_values=cache, use_cache=True).logits
+        first_tokens["resume"] = int(logits[0, -1].argmax())
+        cache.close()
+
+    def reprefill() -> None:
+        with torch.inference_mode():
+            logits = model(whole, past_key_values=DynamicCache(config=model.config)).logits
+        first_tokens["reprefill"] = int(logits[0, -1].argmax())
+
+    timings = time_interleaved({"resume": resume, "reprefill": reprefill}, repeats, warmup=1)
+    return (
+        statistics.median(timings.seconds["resume"]),
+        statistics.median(timings.seconds["reprefill"]),
+        first_tokens["resume"] == first_tokens["reprefill"],
+    )
+
+
+def run_tiers(
+    out_dir: str | Path, quick: bool = False, *, command: str | None = None, verbose: bool = False
+) -> dict[str, float]:
+    """Run the tiers benchmark into ``out_dir`` (``bench/suite.py`` says what is written)."""
+    return run_suite(
+        NAME, measure, DEPENDS_ON, out_dir, quick=quick, command=command, verbose=verbose
+    )
+
+
+def readme_tables(results: dict) -> dict[str, str]:
+    """The README's tiers table, from a results file."""
+    w = results["workload"]
+    names = sorted(results["figures"])
+    speeds = w["decode_tokens_per_second"]
+    workload = (
+        f"Workload: {w['model']}, {w['dtype']} on {w['device']} ({w['attention']}); a "
+        f"{w['prompt_tokens']}-token prompt, then {w['decode_tokens']} greedy decode steps; KV "
+        f"{format_value(w['kv_bytes'] / 2**20, 'MiB')} MiB at the end, "
+        f"{format_value(w['device_share'], 'fraction')} of it on device and "
+        f"{format_value(w['host_share'], 'fraction')} on host in the tiered runs, the rest on "
+        f"disk; medians of {w['repeats']} interleaved rounds. Decode tokens/s: "
+        + ", ".join(f"{name} {format_value(v, 'tok/s')}" for name, v in speeds.items())
+        + f". Next turn: {w['next_turn_tokens']} tokens."
+    )
+    return {"tiers": figure_table(results, names) + "\n\n" + workload}
+
+
+__all__ = ["DEPENDS_ON", "NAME", "measure", "readme_tables", "run_tiers"]

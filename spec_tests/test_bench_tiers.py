@@ -1,0 +1,63 @@
+"""The tiers benchmark's quick run on SmolLM2: every figure is there, the tiered runs make
+DynamicCache's tokens, the resumed turn agrees with the re-prefilled one, and the README table
+renders from what it measured."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstack.bench.tiers import kv_bytes_of, measure, readme_tables
+
+
+@pytest.fixture(scope="module")
+def quick_run():
+    return measure(True, lambda message: None)
+
+
+def test_the_quick_run_measures_every_figure_and_its_tiered_tokens_are_exact(quick_run):
+    figures = quick_run.figures
+    assert set(figures) == {
+        "tiers.decode_speed_ratio.device25",
+        "tiers.decode_speed_ratio.device25_over_dynamic",
+        "tiers.overlap_fraction",
+        "tiers.bytes_per_token.lru",
+        "tiers.bytes_per_token.cost",
+        "tiers.hit_rate.lru",
+        "tiers.hit_rate.cost",
+        "tiers.tokens_equal_dynamic",
+        "tiers.resume_speedup",
+        "tiers.resume_tokens_equal",
+    }
+    assert figures["tiers.tokens_equal_dynamic"].value == 1.0
+    assert figures["tiers.resume_tokens_equal"].value == 1.0
+    # With a quarter of the KV on device, decode must read pages from host or disk.
+    assert figures["tiers.bytes_per_token.cost"].value > 0
+    assert 0 < figures["tiers.hit_rate.cost"].value < 1
+    runs = quick_run.workload["runs"]
+    kv = quick_run.workload["kv_bytes"]
+    assert runs["device25_cost"]["bytes_used"]["device"] <= 0.25 * kv
+    assert runs["all_device"]["device_hit_rate"] == 1.0
+
+
+def test_kv_bytes_count_every_layer_k_and_v():
+    class Config:
+        hidden_size, num_attention_heads, num_key_value_heads, num_hidden_layers = 576, 9, 3, 30
+
+    class Model:
+        config = Config()
+
+        def parameters(self):
+            import torch
+
+            yield torch.zeros(1)
+
+    assert kv_bytes_of(Model(), 10) == 30 * 2 * 10 * 3 * 64 * 4
+
+
+def test_the_readme_table_renders_from_the_results(quick_run):
+    results = {
+        "figures": {name: f.record() for name, f in quick_run.figures.items()},
+        "workload": quick_run.workload,
+    }
+    table = readme_tables(results)["tiers"]
+    assert "`tiers.decode_speed_ratio.device25`" in table and "Decode tokens/s" in table
