@@ -11,7 +11,7 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 def python_blocks() -> list[str]:
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    assert len(blocks) == 3, "README.md should have the HF, serving and core examples"
+    assert len(blocks) == 4, "README.md should have the HF, serving, tiers and core examples"
     return blocks
 
 
@@ -39,9 +39,35 @@ def test_readme_serving_example_runs_and_its_comments_hold(capsys):
     assert capsys.readouterr().out  # the streamed tokens
 
 
+def test_readme_tiers_example_saves_and_a_new_process_resumes(tmp_path):
+    """The example's two halves in two processes, as the comment says: the second finds the
+    first's pages on disk and answers the next turn."""
+    import os
+    import subprocess
+    import sys
+
+    first, second = python_blocks()[2].split("# Process 2", 1)
+    env = {**os.environ, "PYTHONPATH": str(README.parent)}
+    subprocess.run([sys.executable, "-c", first], cwd=tmp_path, env=env, check=True)
+    assert (tmp_path / "chat-kv" / "conversation.json").exists()
+    check = (
+        "\nassert cache.stats()['hits']['disk'] > 0  # the first turn's K/V came from disk"
+        "\nassert out.shape[1] > ids.shape[1]"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", "# Process 2" + second + check],
+        cwd=tmp_path,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    assert result.stdout.strip()  # the second turn's answer
+
+
 def test_readme_example_runs_and_its_comments_hold():
     namespace: dict = {}
-    exec(compile(python_blocks()[2], str(README), "exec"), namespace)
+    exec(compile(python_blocks()[3], str(README), "exec"), namespace)
     table, pool, out = namespace["table"], namespace["pool"], namespace["out"]
     assert len(table.blocks) == 4 and table.num_live == 50
     assert pool.num_free_blocks == 64 - 4

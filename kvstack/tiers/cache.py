@@ -24,6 +24,7 @@ fetched segments merged by log-sum-exp, without gathering, is the next step.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -350,6 +351,21 @@ class TieredCache(Cache):
             "layers": layers,
         }
         self.store.disk.write_record(MANIFEST, record)
+
+    @staticmethod
+    def saved_token_ids(disk_path: str | os.PathLike) -> torch.Tensor:
+        """The token ids ([1, n]) whose K/V a saved conversation under ``disk_path`` holds: what
+        a new process continues from (the conversation's last generated token, never fed back,
+        is not among them)."""
+        from kvstack.tiers.disk import DiskTier
+
+        path = Path(disk_path)
+        if not path.is_dir():
+            raise InvalidArgumentError(f"disk_path={str(path)!r} is not a directory")
+        record = DiskTier.read_record_at(path, MANIFEST)
+        if record is None:
+            raise InvalidArgumentError(f"disk_path={str(path)!r} holds no saved conversation")
+        return torch.tensor([record["token_ids"]], dtype=torch.long)
 
     @classmethod
     def resume(

@@ -243,7 +243,12 @@ class DiskTier:
 
     def read_record(self, name: str) -> dict | None:
         """The record under ``name`` (None if there is none); ``PageCorrupted`` if damaged."""
-        source = self.path / name
+        return self.read_record_at(self.path, name)
+
+    @staticmethod
+    def read_record_at(directory: Path, name: str) -> dict | None:
+        """``read_record`` without opening a tier (which would sweep the directory)."""
+        source = Path(directory) / name
         if not source.exists():
             return None
         data = source.read_bytes()
