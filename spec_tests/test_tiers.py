@@ -425,3 +425,24 @@ def test_a_page_that_is_no_dict_of_tensors_is_refused_and_nothing_changes(page):
         store.put("b", page)
     assert list(store.pages) == ["a"]
     store.check()
+
+
+def test_take_all_returns_every_page_in_order_from_whichever_tier_holds_it(tmp_path):
+    from kvstack.tiers import Prefetcher
+
+    size = page_nbytes(kv_page(0))
+    store = TieredStore(
+        device_bytes=2 * size, host_bytes=size, disk_path=tmp_path, disk_bytes=1 << 20
+    )
+    pages = {f"p{i}": kv_page(i) for i in range(5)}
+    for key, page in pages.items():
+        store.put(key, page)  # the first ones are demoted to host, then disk
+    prefetcher = Prefetcher(store, "cpu")
+    prefetcher.prefetch(["p1"])
+    keys = ["p4", "p0", "p1", "p3", "p2"]
+    taken = prefetcher.take_all(keys)
+    assert [tier for _, tier in taken] == [store.tiers_of(k)[0] for k in keys]
+    assert {tier for _, tier in taken} == {"device", "host", "disk"}
+    assert all(same_page(page, pages[k]) for (page, _), k in zip(taken, keys, strict=True))
+    assert sum(store.stats()["hits"].values()) == 5
+    prefetcher.close()

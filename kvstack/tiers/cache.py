@@ -108,8 +108,9 @@ class TieredLayer(CacheLayerMixin):
         self.tail_keys = keys[..., full * block :, :].clone()
         self.tail_values = values[..., full * block :, :].clone()
         pages = []
-        for key in self.page_keys:
-            page, tier = self.cache.prefetcher.take(key)
+        for key, (page, tier) in zip(
+            self.page_keys, self.cache.prefetcher.take_all(self.page_keys), strict=True
+        ):
             if tier != "device":  # room above (after a resume, or pages deleted): move it up
                 self.cache.store.promote(key, page)
             pages.append(page)

@@ -161,6 +161,18 @@ class TieredStore:
         return self.disk.read_opened(key, handle), tier
 
     @_locked
+    def device_pages(self, keys: list[str]) -> dict[str, Page]:
+        """The device tier's pages among ``keys`` (homes and copies), under one lock."""
+        device = self._memory["device"]
+        return {key: device[key] for key in keys if key in device}
+
+    @_locked
+    def touch_all(self, keys: list[str], tier: str) -> None:
+        """``touch`` of every key, in order, under one lock."""
+        for key in keys:
+            self.touch(key, tier)
+
+    @_locked
     def touch(self, key: str, tier: str) -> None:
         """Count a read of ``key`` served by ``tier``: the rules' recency and use counts."""
         info = self._info(key)
