@@ -1,6 +1,7 @@
 """The tiers benchmark: SmolLM2 decoding with most of its KV on host and disk (``TieredCache``).
 
-Workload: SmolLM2-135M-Instruct on CPU, float32, one torch thread, sdpa attention; a benchmark
+Workload: SmolLM2-135M-Instruct on CPU, float32, one torch thread (the prefetcher's worker
+thread runs beside it: give the process two cores, or no fetch can overlap), sdpa attention; a benchmark
 prompt of ``PROMPT_TOKENS`` tokens, then ``DECODE_TOKENS`` greedy decode steps. The KV the
 sequence holds at the end is ``kv_bytes``; the tiered runs give the device tier a quarter of it,
 the host tier a quarter, and put the rest on disk (a temporary directory: on this machine the
@@ -30,6 +31,7 @@ trace and the scheduler's bytes per token against FIFO.
 
 from __future__ import annotations
 
+import os
 import statistics
 import tempfile
 from collections.abc import Callable
@@ -240,6 +242,8 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         "host_share": HOST_SHARE,
         "block_size": BLOCK_SIZE,
         "repeats": repeats,
+        "torch_threads": torch.get_num_threads(),
+        "cores_available": len(os.sched_getaffinity(0)),
         "decode_tokens_per_second": speed,
         "resume_seconds": resume_seconds,
         "reprefill_seconds": reprefill_seconds,
