@@ -111,8 +111,9 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
             policy=policy,
         )
 
-    def decode(cache: Any) -> tuple[list[int], dict[str, Any]]:
-        """Prefill (untimed by the caller's split), then ``decode_tokens`` greedy steps."""
+    def prefill(cache: Any) -> dict[str, Any]:
+        """The prompt through ``cache`` (untimed) and its first token; the state ``steps``
+        continues from, with the tiered cache's counters zeroed so they count decode only."""
         with torch.inference_mode():
             logits = model(ids, past_key_values=cache, use_cache=True).logits
             tokens = [int(logits[0, -1].argmax())]
@@ -120,8 +121,7 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
                 cache.prefetcher.transfer_seconds = cache.prefetcher.stall_seconds = 0.0
                 cache.prefetcher.bytes_fetched.clear()
                 cache.store.hits.clear()
-            state: dict[str, Any] = {"cache": cache, "tokens": tokens}
-            return tokens, state
+            return {"cache": cache, "tokens": tokens}
 
     def steps(state: dict[str, Any]) -> None:
         cache, tokens = state["cache"], state["tokens"]
@@ -144,7 +144,7 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
             old = prepared.pop(name, None)
             if old is not None and isinstance(old["cache"], TieredCache):
                 old["cache"].close()
-            prepared[name] = decode(build())[1]
+            prepared[name] = prefill(build())
 
     log(
         f"{prompt_tokens}-token prompt, {decode_tokens} decode steps, KV {kv_bytes / 2**20:.1f} MiB"
