@@ -9,10 +9,18 @@ page files are served from the OS page cache, so a disk read is a file read plus
 SHA-256 check, not a device access). Prefill is untimed; each configuration's decode steps are
 timed in rounds, interleaved with the others (``time_interleaved``), medians over rounds.
 
+Pages are ``BLOCK_SIZE`` tokens (64: 96 KiB of K and V per layer page for SmolLM2); a page is
+one file on disk and one fetch, so its size sets how much per-page work (a file open, a
+checksum, a queue hand-off) each byte carries. The quarter on device includes each layer's
+partly filled block (the *tail*, kept on device outside the store): the device tier's budget is
+a quarter of the KV minus a page per layer, and ``tiers.device_kv_fraction.device25`` reports
+what the device held at the end (tier bytes plus tails ÷ the KV).
+
 * ``tiers.decode_speed_ratio.device25``: decode tokens/s with a quarter of the KV on device
   (cost-aware demotion) ÷ the same ``TieredCache`` with every page on device (no transfers).
   Both sides run the same code (every layer gathers its pages each step); what differs is
-  where the pages are read from. Target >= 0.8.
+  where the pages are read from. Target >= 0.8. ``..._page16`` and ``..._page256``: the same
+  ratio with 16- and 256-token pages (each against all-on-device at its own page size).
 * ``tiers.overlap_fraction``: in that run, the share of fetch time the model's thread did not
   wait for (the prefetcher fetches the next layer's pages on a worker thread). Target >= 0.9.
 * ``tiers.bytes_per_token.{lru,cost}`` and ``tiers.hit_rate.{lru,cost}``: bytes read from host
@@ -59,7 +67,8 @@ PROMPT_TOKENS, DECODE_TOKENS, NEXT_TURN_TOKENS = 1024, 32, 32
 QUICK_PROMPT_TOKENS, QUICK_DECODE_TOKENS, QUICK_NEXT_TURN_TOKENS = 96, 4, 8
 DEVICE_SHARE, HOST_SHARE = 0.25, 0.25
 REPEATS = 5
-BLOCK_SIZE = 16
+BLOCK_SIZE, QUICK_BLOCK_SIZE = 64, 8  # tokens per page
+SWEEP_BLOCK_SIZES, QUICK_SWEEP_BLOCK_SIZES = (16, 256), (4, 16)
 
 
 def _prompt(tokenizer: Any, tokens: int) -> torch.Tensor:
@@ -78,6 +87,20 @@ def kv_bytes_of(model: Any, tokens: int) -> int:
     return config.num_hidden_layers * 2 * tokens * config.num_key_value_heads * head_dim * itemsize
 
 
+def device_tier_budget(model: Any, kv_bytes: int, share: float, block_size: int) -> int:
+    """The device tier's budget that keeps the device's KV within ``share`` of ``kv_bytes``:
+    the share minus one page per layer, the most a layer's tail can hold."""
+    tail_reserve = kv_bytes_of(model, block_size)  # a page's K and V in every layer
+    budget = int(share * kv_bytes) - tail_reserve
+    page = tail_reserve // model.config.num_hidden_layers
+    if budget < page:
+        raise AssertionError(
+            f"a {share} share of {kv_bytes} KV bytes leaves {budget} bytes for the device tier "
+            f"after the tails' {tail_reserve}; a {block_size}-token page needs {page}"
+        )
+    return budget
+
+
 def measure(quick: bool, log: Callable[[str], None]) -> Measured:
     from transformers import DynamicCache
 
@@ -88,6 +111,8 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
     decode_tokens = QUICK_DECODE_TOKENS if quick else DECODE_TOKENS
     next_turn_tokens = QUICK_NEXT_TURN_TOKENS if quick else NEXT_TURN_TOKENS
     repeats = 1 if quick else REPEATS
+    block_size = QUICK_BLOCK_SIZE if quick else BLOCK_SIZE
+    sweep = QUICK_SWEEP_BLOCK_SIZES if quick else SWEEP_BLOCK_SIZES
     model, tokenizer = load_smollm2(progress=False)
     model.set_attn_implementation("sdpa")
     ids = _prompt(tokenizer, prompt_tokens)
@@ -95,20 +120,25 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
     scratch = tempfile.TemporaryDirectory(prefix="kvstack-tiers-")
     runs = 0
 
-    def tiered(share: float | None, policy: str) -> TieredCache:
+    def tiered(share: float | None, policy: str, pages: int = block_size) -> TieredCache:
         nonlocal runs
         runs += 1
         if share is None:  # every page on device
             return TieredCache(
-                model.config, device_budget=2 * kv_bytes, host_budget=0, policy=policy
+                model.config,
+                device_budget=2 * kv_bytes,
+                host_budget=0,
+                policy=policy,
+                block_size=pages,
             )
         return TieredCache(
             model.config,
-            device_budget=int(DEVICE_SHARE * kv_bytes),
+            device_budget=device_tier_budget(model, kv_bytes, share, pages),
             host_budget=int(HOST_SHARE * kv_bytes),
             disk_path=Path(scratch.name) / f"run{runs}",
             disk_budget=2 * kv_bytes,
             policy=policy,
+            block_size=pages,
         )
 
     def prefill(cache: Any) -> dict[str, Any]:
@@ -137,6 +167,11 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         "device25_cost": lambda: tiered(DEVICE_SHARE, "cost"),
         "device25_lru": lambda: tiered(DEVICE_SHARE, "lru"),
     }
+    for pages in sweep:
+        configurations[f"all_device_page{pages}"] = lambda p=pages: tiered(None, "cost", p)
+        configurations[f"device25_cost_page{pages}"] = lambda p=pages: tiered(
+            DEVICE_SHARE, "cost", p
+        )
     prepared: dict[str, dict[str, Any]] = {}
 
     def prepare(round_index: int | None) -> None:  # untimed: a fresh cache, prefilled
@@ -176,6 +211,19 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         "(cost-aware) ÷ the same cache with every page on device",
         (">=", 0.8),
     )
+    for pages in sweep:
+        figures[f"tiers.decode_speed_ratio.device25_page{pages}"] = Figure(
+            speed[f"device25_cost_page{pages}"] / speed[f"all_device_page{pages}"],
+            "ratio",
+            f"the same ratio with {pages}-token pages (each side at that page size)",
+        )
+    device_run = last["device25_cost"]
+    figures["tiers.device_kv_fraction.device25"] = Figure(
+        (device_run["bytes_used"]["device"] + device_run["tail_bytes"]) / kv_bytes,
+        "fraction",
+        "KV the device held at the end of the quarter-on-device run (device tier plus the "
+        "layers' partly filled blocks) ÷ the KV",
+    )
     figures["tiers.decode_speed_ratio.device25_over_dynamic"] = Figure(
         speed["device25_cost"] / speed["dynamic"],
         "ratio",
@@ -214,7 +262,14 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
 
     log("resume: a saved conversation's next turn, against re-prefilling it")
     resume_seconds, reprefill_seconds, resume_equal = _resume(
-        model, ids, decode_tokens, next_turn_tokens, kv_bytes, Path(scratch.name), repeats
+        model,
+        ids,
+        decode_tokens,
+        next_turn_tokens,
+        kv_bytes,
+        Path(scratch.name),
+        repeats,
+        block_size,
     )
     figures["tiers.resume_speedup"] = Figure(
         reprefill_seconds / resume_seconds,
@@ -240,7 +295,8 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         "kv_bytes": kv_bytes,
         "device_share": DEVICE_SHARE,
         "host_share": HOST_SHARE,
-        "block_size": BLOCK_SIZE,
+        "block_size": block_size,
+        "sweep_block_sizes": list(sweep),
         "repeats": repeats,
         "torch_threads": torch.get_num_threads(),
         "cores_available": len(os.sched_getaffinity(0)),
@@ -271,6 +327,7 @@ def _summary(state: dict[str, Any]) -> dict[str, Any]:
             "device_hit_rate": stats["hits"]["device"] / reads if reads else 1.0,
             "bytes_used": stats["bytes_used"],
             "peak_layer_page_bytes": stats["peak_layer_page_bytes"],
+            "tail_bytes": stats["tail_bytes"],
         }
     return summary
 
@@ -283,6 +340,7 @@ def _resume(
     kv_bytes: int,
     scratch: Path,
     repeats: int,
+    block_size: int,
 ) -> tuple[float, float, bool]:
     """(median seconds to the next turn's first token resuming, the same re-prefilling, whether
     the two first tokens agree)."""
@@ -291,10 +349,11 @@ def _resume(
     from kvstack.tiers import TieredCache
 
     budgets = dict(
-        device_budget=int(DEVICE_SHARE * kv_bytes),
+        device_budget=device_tier_budget(model, kv_bytes, DEVICE_SHARE, block_size),
         host_budget=int(HOST_SHARE * kv_bytes),
         disk_budget=4 * kv_bytes,
         policy="cost",
+        block_size=block_size,
     )
     saved = scratch / "conversation"
     with torch.inference_mode():
@@ -353,7 +412,9 @@ def readme_tables(results: dict) -> dict[str, str]:
         f"{format_value(w['kv_bytes'] / 2**20, 'MiB')} MiB at the end, "
         f"{format_value(w['device_share'], 'fraction')} of it on device and "
         f"{format_value(w['host_share'], 'fraction')} on host in the tiered runs, the rest on "
-        f"disk; medians of {w['repeats']} interleaved rounds. Decode tokens/s: "
+        f"disk; pages of {w['block_size']} tokens (the sweep: "
+        + ", ".join(str(b) for b in w.get("sweep_block_sizes", []))
+        + f"); medians of {w['repeats']} interleaved rounds. Decode tokens/s: "
         + ", ".join(f"{name} {format_value(v, 'tok/s')}" for name, v in speeds.items())
         + f". Next turn: {w['next_turn_tokens']} tokens."
     )

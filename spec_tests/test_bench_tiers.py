@@ -19,6 +19,9 @@ def test_the_quick_run_measures_every_figure_and_its_tiered_tokens_are_exact(qui
     assert set(figures) == {
         "tiers.decode_speed_ratio.device25",
         "tiers.decode_speed_ratio.device25_over_dynamic",
+        "tiers.decode_speed_ratio.device25_page4",
+        "tiers.decode_speed_ratio.device25_page16",
+        "tiers.device_kv_fraction.device25",
         "tiers.overlap_fraction",
         "tiers.bytes_per_token.lru",
         "tiers.bytes_per_token.cost",
@@ -35,7 +38,9 @@ def test_the_quick_run_measures_every_figure_and_its_tiered_tokens_are_exact(qui
     assert 0 < figures["tiers.hit_rate.cost"].value < 1
     runs = quick_run.workload["runs"]
     kv = quick_run.workload["kv_bytes"]
-    assert runs["device25_cost"]["bytes_used"]["device"] <= 0.25 * kv
+    device = runs["device25_cost"]["bytes_used"]["device"] + runs["device25_cost"]["tail_bytes"]
+    assert device <= 0.25 * kv  # the tails count in the quarter
+    assert figures["tiers.device_kv_fraction.device25"].value == device / kv
     assert runs["all_device"]["device_hit_rate"] == 1.0
 
 

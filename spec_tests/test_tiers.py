@@ -446,3 +446,41 @@ def test_take_all_returns_every_page_in_order_from_whichever_tier_holds_it(tmp_p
     assert all(same_page(page, pages[k]) for (page, _), k in zip(taken, keys, strict=True))
     assert sum(store.stats()["hits"].values()) == 5
     prefetcher.close()
+
+
+def test_a_corrupt_page_in_a_prefetched_batch_fails_only_its_own_take(tmp_path):
+    """A layer's pages are fetched as one batch: a damaged file fails its page's take with
+    ``PageCorrupted`` and the pages after it in the batch still arrive whole."""
+    from kvstack.tiers import Prefetcher
+
+    store = TieredStore(device_bytes=1 << 20, host_bytes=0, disk_path=tmp_path, disk_bytes=1 << 20)
+    pages = {f"p{i}": kv_page(i) for i in range(3)}
+    for key, page in pages.items():
+        store.put(key, page, tier="disk")
+    path = store.disk.file_of("p1")
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01  # a payload bit
+    path.write_bytes(bytes(data))
+    prefetcher = Prefetcher(store, "cpu")
+    prefetcher.prefetch(["p0", "p1", "p2"])
+    assert same_page(prefetcher.take("p0")[0], pages["p0"])
+    with pytest.raises(PageCorrupted, match="p1.page: checksum mismatch"):
+        prefetcher.take("p1")
+    assert same_page(prefetcher.take("p2")[0], pages["p2"])
+    prefetcher.close()
+
+
+def test_pages_on_the_device_are_not_prefetched_but_read_in_place(tmp_path):
+    from kvstack.tiers import Prefetcher
+
+    size = page_nbytes(kv_page(0))
+    store = TieredStore(device_bytes=size, host_bytes=size, disk_path=tmp_path, disk_bytes=1 << 20)
+    for i in range(3):
+        store.put(f"p{i}", kv_page(i))  # p2 on device, p1 on host, p0 on disk
+    prefetcher = Prefetcher(store, "cpu")
+    prefetcher.prefetch(["p0", "p1", "p2"])
+    taken = prefetcher.take_all(["p0", "p1", "p2"])
+    assert [tier for _, tier in taken] == ["disk", "host", "device"]
+    assert taken[2][0] is store.device_pages(["p2"])["p2"]  # the tier's own tensors: no copy
+    assert prefetcher.bytes_fetched == {"disk": size, "host": size}
+    prefetcher.close()

@@ -78,32 +78,35 @@ def encode_page(key: str, page: Page) -> bytes:
     return MAGIC + hashlib.sha256(body).digest() + body
 
 
-def decode_page(data: bytes, source: str) -> tuple[str, Page]:
+def decode_page(data: bytes | bytearray, source: str) -> tuple[str, Page]:
     """(key, page) from a page file's bytes; raises ``PageCorrupted`` naming ``source`` when the
-    bytes are not a whole page as written."""
+    bytes are not a whole page as written. The tensors share ``data``'s memory when it is a
+    ``bytearray`` (a disk read: no copy after the read), else one writable copy of it."""
+    buffer = data if isinstance(data, bytearray) else bytearray(data)
+    view = memoryview(buffer)
     head = len(MAGIC) + DIGEST_BYTES
-    if len(data) < head + 8 or data[: len(MAGIC)] != MAGIC:
+    if len(buffer) < head + 8 or view[: len(MAGIC)] != MAGIC:
         raise PageCorrupted(f"{source}: not a kvstack page file (bad magic or truncated)")
-    digest, body = data[len(MAGIC) : head], data[head:]
-    actual = hashlib.sha256(body).digest()
+    digest = bytes(view[len(MAGIC) : head])
+    actual = hashlib.sha256(view[head:]).digest()
     if actual != digest:
         raise PageCorrupted(
             f"{source}: checksum mismatch (stored {digest.hex()[:16]}…, computed "
             f"{actual.hex()[:16]}…); the page is not used"
         )
-    (header_len,) = struct.unpack("<Q", body[:8])
-    header = json.loads(body[8 : 8 + header_len])
-    offset = 8 + header_len
+    (header_len,) = struct.unpack_from("<Q", buffer, head)
+    offset = head + 8
+    header = json.loads(bytes(view[offset : offset + header_len]))
+    offset += header_len
     page: Page = {}
     for spec in header["tensors"]:
         dtype = getattr(torch, spec["dtype"].removeprefix("torch."))
-        raw = bytearray(body[offset : offset + spec["nbytes"]])  # writable: frombuffer shares it
-        offset += spec["nbytes"]
-        if not raw:  # frombuffer refuses an empty buffer
+        if not spec["nbytes"]:  # frombuffer refuses an empty buffer
             page[spec["name"]] = torch.empty(spec["shape"], dtype=dtype)
             continue
-        flat = torch.frombuffer(raw, dtype=torch.uint8).view(dtype)  # [numel]
-        page[spec["name"]] = flat.reshape(spec["shape"])
+        raw = torch.frombuffer(buffer, dtype=torch.uint8, offset=offset, count=spec["nbytes"])
+        offset += spec["nbytes"]
+        page[spec["name"]] = raw.view(dtype).reshape(spec["shape"])  # [numel] -> shape
     return header["key"], page
 
 
@@ -160,6 +163,7 @@ class DiskTier:
                 "process can create files in"
             )
         self.path = directory
+        self._directory = str(directory)  # for page reads: os.path.join is cheaper than Path
         self.capacity_bytes = capacity_bytes
         self._sizes: dict[str, int] = {}  # key -> bytes of its file
         for entry in directory.iterdir():
@@ -267,12 +271,13 @@ class DiskTier:
         file stays readable through the handle even if the page is deleted or replaced after."""
         if key not in self._sizes:
             raise KeyError(f"page {key!r} is not on the disk tier {str(self.path)!r}")
-        return open(self.file_of(key), "rb")
+        return open(os.path.join(self._directory, key + PAGE_SUFFIX), "rb", buffering=0)
 
     def read_opened(self, key: str, handle) -> Page:
         """Read, check and decode the page from ``handle`` (``open(key)``), closing it."""
         with handle:
-            data = handle.read()
+            data = bytearray(os.fstat(handle.fileno()).st_size)  # read once, decoded in place
+            del data[handle.readinto(data) :]  # a short read fails the checks below
         source = self.file_of(key)
         stored_key, page = decode_page(data, str(source))
         if stored_key != key:

@@ -1,7 +1,9 @@
 """Fetch the pages the next layer will read while the current layer computes (KVDrive).
 
-``Prefetcher.prefetch(keys)`` hands each page to a worker thread, which reads it from the
-fastest tier holding it (a disk read checks its checksum) and copies it to the device.
+``Prefetcher.prefetch(keys)`` hands the pages to a worker thread as one task (a layer's pages:
+one queue hand-off, not one per page), which reads them in order, each from the fastest tier
+holding it (a disk read checks its checksum), copies it to the device and completes that
+page's future before it starts the next.
 ``take(key)`` returns the page for attention; it waits for that page's fetch to complete first,
 so **no page is read before its copy completes** (vToken's I3, across tiers). On CUDA the copy
 runs on a side stream and ``take`` makes the compute stream wait on its event; on CPU the
@@ -36,9 +38,27 @@ class Prefetcher:
         self.bytes_fetched: Counter[str] = Counter()  # source tier -> bytes brought to the device
 
     def prefetch(self, keys: list[str]) -> None:
+        """Start fetching ``keys`` on a worker, in this order: those not already pending and not
+        on the device (``take_all`` reads those in place; one demoted meanwhile is fetched by
+        ``take`` when it is read)."""
+        resident = self.store.device_pages(keys)
+        batch = []
         for key in keys:
-            if key not in self._pending:
-                self._pending[key] = self._pool.submit(self._fetch, key)
+            if key not in self._pending and key not in resident:
+                future: Future = Future()
+                self._pending[key] = future
+                batch.append((key, future))
+        if batch:
+            self._pool.submit(self._fetch_batch, batch)
+
+    def _fetch_batch(self, batch: list[tuple[str, Future]]) -> None:
+        for key, future in batch:
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(self._fetch(key))
+            except BaseException as error:  # the page's taker gets it (or drain forgets it)
+                future.set_exception(error)
 
     def take(self, key: str) -> tuple[Page, str]:
         """The page on the device, once its copy is complete, and the tier it came from; counts
