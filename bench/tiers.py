@@ -19,8 +19,8 @@ what the device held at the end (tier bytes plus tails ÷ the KV).
 * ``tiers.decode_speed_ratio.device25``: decode tokens/s with a quarter of the KV on device
   (cost-aware demotion) ÷ the same ``TieredCache`` with every page on device (no transfers).
   Both sides run the same code (every layer gathers its pages each step); what differs is
-  where the pages are read from. Target >= 0.8. ``..._page16`` and ``..._page256``: the same
-  ratio with 16- and 256-token pages (each against all-on-device at its own page size).
+  where the pages are read from. Target >= 0.8. ``..._page16`` and ``..._page128``: the same
+  ratio with 16- and 128-token pages (each against all-on-device at its own page size).
 * ``tiers.overlap_fraction``: in that run, the share of fetch time the model's thread did not
   wait for (the prefetcher fetches the next layer's pages on a worker thread). Target >= 0.9.
 * ``tiers.bytes_per_token.{lru,cost}`` and ``tiers.hit_rate.{lru,cost}``: bytes read from host
@@ -68,7 +68,7 @@ QUICK_PROMPT_TOKENS, QUICK_DECODE_TOKENS, QUICK_NEXT_TURN_TOKENS = 96, 4, 8
 DEVICE_SHARE, HOST_SHARE = 0.25, 0.25
 REPEATS = 5
 BLOCK_SIZE, QUICK_BLOCK_SIZE = 64, 8  # tokens per page
-SWEEP_BLOCK_SIZES, QUICK_SWEEP_BLOCK_SIZES = (16, 256), (4, 16)
+SWEEP_BLOCK_SIZES, QUICK_SWEEP_BLOCK_SIZES = (16, 128), (4, 16)
 
 
 def _prompt(tokenizer: Any, tokens: int) -> torch.Tensor:
