@@ -294,3 +294,94 @@ def test_a_cache_for_another_device_and_a_directory_with_pages_are_refused(tiny_
             disk_path=tmp_path,
             disk_budget="1MiB",
         )
+
+
+# --------------------------------------------------------------------------- hybrid models
+HYBRIDS_WITH_STATE_LAYERS = ["jamba", "bamba", "qwen3_next", "lfm2", "nemotron_h"]
+
+
+def tiny_hybrid(name: str):
+    from transformers import AutoModelForCausalLM
+
+    from kvstack.models import tiny_hybrid_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_hybrid_config(name), attn_implementation="eager")
+    return model.eval()
+
+
+def hybrid_budgets(config, tmp_path) -> dict:
+    """Two pages on device, two on host, the rest on disk."""
+    page = TieredCache(config, device_budget="1MiB", host_budget=0).page_bytes
+    return dict(
+        device_budget=2 * page, host_budget=2 * page, disk_path=tmp_path, disk_budget="4MiB"
+    )
+
+
+@pytest.mark.parametrize("name", HYBRIDS_WITH_STATE_LAYERS)
+def test_a_hybrid_model_saves_and_resumes_its_recurrent_state_with_the_kv(name, tmp_path):
+    """Attention K/V tiered, state layers on the device; the state reaches disk with the KV on
+    save() and comes back on resume(): the next turn makes exactly DynamicCache's tokens."""
+    model = tiny_hybrid(name)
+    ids = torch.randint(2, 120, (1, 40), generator=torch.Generator().manual_seed(3))
+    cache = TieredCache(model.config, **hybrid_budgets(model.config, tmp_path / "kv"))
+    first = greedy(model, ids, cache, 12)
+    assert torch.equal(first, greedy(model, ids, DynamicCache(config=model.config), 12))
+    assert cache.stats()["state_bytes"] > 0 and cache.stats()["pages_homed"]["disk"] > 0
+    cache.save(first)
+    saved_states = {name: state.clone() for name, state in cache._states().items()}
+    cache.close()
+    turn = torch.randint(2, 120, (1, 6), generator=torch.Generator().manual_seed(4))
+    whole = torch.cat([first, turn], dim=1)
+    budgets = hybrid_budgets(model.config, tmp_path / "kv")
+    resumed = TieredCache.resume(model.config, token_ids=whole, **budgets)
+    assert resumed.get_seq_length() == first.shape[1] - 1 and resumed.resume_miss is None
+    restored = resumed._states()
+    assert restored.keys() == saved_states.keys()
+    assert all(torch.equal(restored[name], saved_states[name]) for name in saved_states)
+    got = greedy(model, whole, resumed, 8)
+    assert torch.equal(got, greedy(model, whole, DynamicCache(config=model.config), 8))
+    resumed.close()
+
+
+def test_a_saved_kv_without_its_state_is_a_miss_and_is_recomputed_not_continued(tmp_path):
+    """A state page that is gone or damaged makes the whole saved conversation a miss: resume
+    warns, deletes it and returns an empty cache, so generate recomputes every token (the same
+    tokens); continuing the K/V from zeroed states would be silently wrong."""
+    model = tiny_hybrid("jamba")
+    ids = torch.randint(2, 120, (1, 40), generator=torch.Generator().manual_seed(3))
+    budgets = hybrid_budgets(model.config, tmp_path / "kv")
+    cache = TieredCache(model.config, **budgets)
+    first = greedy(model, ids, cache, 6)
+    cache.save(first)
+    cache.close()
+    state_pages = sorted((tmp_path / "kv").glob("L*.state.page"))
+    assert state_pages
+    for damage in ("corrupt", "missing"):
+        if damage == "corrupt":
+            data = bytearray(state_pages[0].read_bytes())
+            data[-3] ^= 0x10
+            state_pages[0].write_bytes(bytes(data))
+        else:  # save again, then lose the state page
+            again = TieredCache(model.config, **budgets)
+            greedy(model, ids, again, 6)
+            again.save(first)
+            again.close()
+            state_pages[0].unlink()
+        with pytest.warns(UserWarning, match="state page .*is a miss"):
+            missed = TieredCache.resume(model.config, token_ids=first, **budgets)
+        assert missed.resume_miss is not None and missed.get_seq_length() == 0
+        assert not list((tmp_path / "kv").glob("*.page"))
+        with pytest.raises(InvalidArgumentError, match="holds no saved conversation"):
+            TieredCache.saved_token_ids(tmp_path / "kv")
+        got = greedy(model, first, missed, 4)
+        assert torch.equal(got, greedy(model, first, DynamicCache(config=model.config), 4))
+        missed.reset()
+        missed.close()
+
+
+def test_models_tiered_cache_cannot_page_are_refused_by_name():
+    from kvstack.models import tiny_hybrid_config
+
+    with pytest.raises(KVStackError, match="layer .* is a LinearAttentionAndFullAttentionLayer"):
+        TieredCache(tiny_hybrid_config("falcon_h1"), device_budget="1MiB", host_budget=0)

@@ -19,25 +19,74 @@ for its attention (``peak_layer_page_bytes``; fetched copies are freed after use
 of the next layer being fetched. If a tier is too full for a step (``TierFull``), the cache
 must be ``reset()``: the layers before the failing one have taken the step. This is the layer-wise streaming of offloading systems; attention over resident and
 fetched segments merged by log-sum-exp, without gathering, is the next step.
+
+Hybrid models (Jamba, Bamba, Qwen3-Next, LFM2, NemotronH): their state layers keep transformers'
+own ``LinearAttentionLayer`` on the device (fixed-size conv and recurrent states, rewritten every
+step); ``save()`` writes each one's states as a page beside the KV, and ``resume()`` restores
+them before any K/V is used. A saved conversation whose state page is missing or damaged is a
+miss (deleted, and ``generate`` recomputes it), never K/V continued from zeroed states.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import Cache, DynamicCache
-from transformers.cache_utils import CacheLayerMixin, DynamicLayer
+from transformers.cache_utils import (
+    CacheLayerMixin,
+    DummyLayer,
+    DynamicLayer,
+    LinearAttentionLayer,
+)
 
 from kvstack.arena import parse_bytes
-from kvstack.errors import InvalidArgumentError, KVStackError, TierFull
+from kvstack.errors import InvalidArgumentError, KVStackError, PageCorrupted, TierFull
+from kvstack.tiers.disk import page_nbytes
 from kvstack.tiers.eviction import RULES, EvictionRule
 from kvstack.tiers.prefetch import Prefetcher
 from kvstack.tiers.store import TieredStore
 
 MANIFEST = "conversation.json"  # a saved conversation's record, on the disk tier
+
+
+def _entry_keys(entry: dict[str, Any]) -> list[str]:
+    """The page keys one layer's manifest entry names: KV pages and tail, or its state page."""
+    keys = [*entry.get("pages", []), entry.get("tail"), entry.get("state")]
+    return [key for key in keys if key]
+
+
+def _layer_states(layer: LinearAttentionLayer) -> dict[str, torch.Tensor]:
+    """A state layer's initialised states by name (``conv0``, ``recurrent0``, ...)."""
+    states = {}
+    for index in range(layer.number_of_states):
+        for kind, tensors in (("conv", layer.conv_states), ("recurrent", layer.recurrent_states)):
+            if tensors[index] is not None:
+                states[f"{kind}{index}"] = tensors[index]
+    return states
+
+
+def _restore_states(
+    layer: LinearAttentionLayer, page: dict[str, torch.Tensor], flags: list[bool], device
+) -> None:
+    """Put a saved state page back into a fresh layer, as transformers' own lazy
+    initialisation would have built it, then copied into (static addresses kept)."""
+    for index in range(layer.number_of_states):
+        conv, recurrent = page.get(f"conv{index}"), page.get(f"recurrent{index}")
+        if conv is not None:
+            conv = conv.to(device)
+            layer.lazy_initialization(conv_states=conv, state_idx=index)
+            layer.conv_states[index].copy_(conv)
+        if recurrent is not None:
+            recurrent = recurrent.to(device)
+            layer.lazy_initialization(recurrent_states=recurrent, state_idx=index)
+            layer.recurrent_states[index].copy_(recurrent)
+            if layer.device is None:
+                layer.dtype, layer.device = recurrent.dtype, recurrent.device
+        layer.has_previous_state[index] = bool(flags[index])
 
 
 def _token_list(token_ids: torch.Tensor | list[int]) -> list[int]:
@@ -174,11 +223,18 @@ class TieredCache(Cache):
     ) -> None:
         default_layers = DynamicCache(config=config).layers  # checked before anything is built
         for index, layer in enumerate(default_layers):
-            if type(layer) is not DynamicLayer:
+            # Exact types: a subclass (a sliding window) has semantics the pages would lose.
+            if type(layer) not in (DynamicLayer, LinearAttentionLayer, DummyLayer):
                 raise KVStackError(
-                    f"layer {index} is a {type(layer).__name__}; TieredCache supports models "
-                    "whose layers are all full attention (no sliding window, no state layers)"
+                    f"layer {index} is a {type(layer).__name__}; TieredCache supports full "
+                    "attention layers and state layers (LinearAttentionLayer: Mamba, gated "
+                    "delta-net, short conv), not sliding windows or layers holding both"
                 )
+        if not any(type(layer) is DynamicLayer for layer in default_layers):
+            raise KVStackError(
+                "the model has no full attention layer; TieredCache pages attention K/V (a "
+                "model of state layers only has nothing to tier)"
+            )
         if not isinstance(block_size, int) or block_size <= 0:
             raise InvalidArgumentError(f"block_size={block_size!r}; expected a positive int")
         if isinstance(policy, str):
@@ -235,13 +291,21 @@ class TieredCache(Cache):
                 "directory"
             )
         self.prefetcher = Prefetcher(self.store, device, workers=prefetch_workers)
-        layers = [TieredLayer(self, index) for index in range(len(default_layers))]
+        # State layers keep transformers' own LinearAttentionLayer, on the device: their states
+        # are fixed-size and rewritten every step. They reach disk with the KV on save().
+        layers = [
+            TieredLayer(self, index) if type(layer) is DynamicLayer else layer
+            for index, layer in enumerate(default_layers)
+        ]
         super().__init__(layers=layers)
+        self.attention_layers = [layer for layer in layers if isinstance(layer, TieredLayer)]
         self.peak_layer_page_bytes = 0
+        self.resume_miss: str | None = None  # why resume() could not use a saved conversation
 
     def prefetch_after(self, layer_idx: int) -> None:
         """Fetch the next layer's pages (after the last layer: the first, for the next step)."""
-        following = self.layers[(layer_idx + 1) % len(self.layers)]
+        later = [layer for layer in self.attention_layers if layer.layer_idx > layer_idx]
+        following = later[0] if later else self.attention_layers[0]
         self.prefetcher.prefetch(list(following.page_keys))
 
     def note_layer_pages(self, pages: list[dict[str, torch.Tensor]]) -> None:
@@ -273,18 +337,28 @@ class TieredCache(Cache):
                     f"{batch}, {heads} KV heads, {key_states.dtype}); expected 0 or at least {page}"
                 )
 
+    def _states(self) -> dict[str, torch.Tensor]:
+        """Every state layer's states, as ``L{layer}.{name}``."""
+        return {
+            f"L{index}.{name}": tensor
+            for index, layer in enumerate(self.layers)
+            if isinstance(layer, LinearAttentionLayer)
+            for name, tensor in _layer_states(layer).items()
+        }
+
     def stats(self) -> dict[str, Any]:
         store = self.store.stats()
         tails = sum(
             t.numel() * t.element_size()
-            for layer in self.layers
+            for layer in self.attention_layers
             if layer.is_initialized
             for t in (layer.tail_keys, layer.tail_values)
         )
         return {
             **store,
-            "seen_tokens": self.layers[0].get_seq_length(),
+            "seen_tokens": self.get_seq_length(),
             "tail_bytes": tails,
+            "state_bytes": sum(t.numel() * t.element_size() for t in self._states().values()),
             "peak_layer_page_bytes": self.peak_layer_page_bytes,
             "fetched_bytes": dict(self.prefetcher.bytes_fetched),
             "transfer_seconds": self.prefetcher.transfer_seconds,
@@ -297,6 +371,10 @@ class TieredCache(Cache):
         """What a saved conversation's pages assume about the model."""
         return {
             "layers": len(self.layers),
+            "layer_kinds": [
+                {TieredLayer: "attention", LinearAttentionLayer: "state"}.get(type(layer), "none")
+                for layer in self.layers
+            ],
             "block_size": self.block_size,
             "kv_heads": self.kv_heads,
             "head_dim": self.head_dim,
@@ -322,7 +400,26 @@ class TieredCache(Cache):
             )
         self.prefetcher.drain()
         layers = []
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
+            if type(layer) is DummyLayer:  # a layer without attention or state (an MLP)
+                layers.append({})
+                continue
+            if not isinstance(layer, TieredLayer):  # its recurrent state, as one page
+                state = f"L{index}.state"
+                if state in self.store.pages:
+                    self.store.delete(state)
+                states = _layer_states(layer)
+                if states:
+                    self.store.put(state, states, tier="disk")
+                layers.append(
+                    {
+                        "state": state if states else None,
+                        "has_previous_state": [
+                            bool(layer.has_previous_state[i]) for i in range(layer.number_of_states)
+                        ],
+                    }
+                )
+                continue
             for key in layer.page_keys:
                 self.store.copy(key, "disk")
             tail = f"L{layer.layer_idx}.tail"
@@ -336,13 +433,13 @@ class TieredCache(Cache):
         missing = [
             key
             for entry in layers
-            for key in (*entry["pages"], *([entry["tail"]] if entry["tail"] else []))
+            for key in _entry_keys(entry)
             if "disk" not in self.store.tiers_of(key)
         ]
         if missing:  # a later copy pushed an earlier one out: the budget cannot hold them all
             raise TierFull(
                 f"disk tier: disk_budget={self.store.capacity['disk']} bytes cannot hold the "
-                f"conversation's {sum(len(e['pages']) + 1 for e in layers)} pages ({len(missing)} "
+                f"conversation's {sum(len(_entry_keys(e)) for e in layers)} pages ({len(missing)} "
                 "did not fit); the previous save, if any, is still in force"
             )
         record = {
@@ -398,11 +495,30 @@ class TieredCache(Cache):
                 f"token_ids do not start with the {len(saved)} tokens saved in {str(disk_path)!r}; "
                 "its K/V belong to those tokens only"
             )
-        named = {k for e in record["layers"] for k in (*e["pages"], e["tail"]) if k}
+        named = {key for entry in record["layers"] for key in _entry_keys(entry)}
         for key in disk.keys():
             if key not in named:
                 disk.delete(key)
+        # The recurrent states first: K/V without the state it was saved with would continue
+        # from zeroed states, every token after silently wrong. A KV hit without its state is
+        # a miss (LMCache's and SGLang's users hit exactly this).
+        states: dict[int, dict[str, torch.Tensor]] = {}
+        for index, (layer, entry) in enumerate(zip(cache.layers, record["layers"], strict=True)):
+            if not isinstance(layer, LinearAttentionLayer) or (
+                entry["state"] is None and not saved
+            ):
+                continue
+            try:
+                if entry["state"] is None:
+                    raise KeyError("none was saved")
+                states[index] = disk.read(entry["state"])  # checksum-verified
+            except (KeyError, PageCorrupted) as error:
+                return cache._resume_missed(
+                    named, len(saved), f"layer {index}'s state page {entry['state']!r}: {error}"
+                )
         for layer, entry in zip(cache.layers, record["layers"], strict=True):
+            if not isinstance(layer, TieredLayer):
+                continue
             for index, key in enumerate(entry["pages"]):
                 cache.store.adopt_disk_page(
                     key,
@@ -418,8 +534,28 @@ class TieredCache(Cache):
                 layer.tail_keys, layer.tail_values = keys, values
                 # Kept on disk, named in the store: resuming twice finds the save intact.
                 cache.store.adopt_disk_page(entry["tail"], keys.nbytes + values.nbytes)
+        for index, page in states.items():
+            entry = record["layers"][index]
+            _restore_states(cache.layers[index], page, entry["has_previous_state"], cache.device)
+            cache.store.adopt_disk_page(entry["state"], page_nbytes(page))  # kept, as the tails
         cache.prefetch_after(-1)  # the first layer's pages, for the first step
         return cache
+
+    def _resume_missed(self, named: set[str], tokens: int, reason: str) -> TieredCache:
+        """A saved conversation that cannot be used whole: its files are deleted (K/V without
+        their state are worth nothing) and this empty cache is returned, so ``generate`` with
+        the same ids recomputes every token: a miss, never a wrong continuation."""
+        disk = self.store.disk
+        for key in named:
+            disk.delete(key)
+        disk.delete_record(MANIFEST)
+        self.resume_miss = reason
+        warnings.warn(
+            f"TieredCache.resume: {reason}; the saved conversation ({tokens} tokens) is a miss: "
+            "it was deleted and generate recomputes it",
+            stacklevel=3,
+        )
+        return self
 
     def reset(self) -> None:
         """Forget every token, deleting its pages from every tier (a resumed conversation's
@@ -427,6 +563,10 @@ class TieredCache(Cache):
         pending fetches are drained first (page keys are reused)."""
         self.prefetcher.drain()
         super().reset()
+        for index, layer in enumerate(self.layers):
+            state = f"L{index}.state"  # written by a save
+            if isinstance(layer, LinearAttentionLayer) and state in self.store.pages:
+                self.store.delete(state)
 
     def close(self) -> None:
         self.prefetcher.close()

@@ -245,6 +245,11 @@ class DiskTier:
         data = MAGIC + hashlib.sha256(body).digest() + body
         self._replace_atomically(self.path / name, data, f"record {name!r}")
 
+    def delete_record(self, name: str) -> None:
+        """Remove the record under ``name`` (nothing if there is none)."""
+        (self.path / name).unlink(missing_ok=True)
+        self._fsync_directory()
+
     def read_record(self, name: str) -> dict | None:
         """The record under ``name`` (None if there is none); ``PageCorrupted`` if damaged."""
         return self.read_record_at(self.path, name)
