@@ -385,3 +385,63 @@ def test_models_tiered_cache_cannot_page_are_refused_by_name():
 
     with pytest.raises(KVStackError, match="layer .* is a LinearAttentionAndFullAttentionLayer"):
         TieredCache(tiny_hybrid_config("falcon_h1"), device_budget="1MiB", host_budget=0)
+
+
+@pytest.mark.parametrize(
+    "key, damage, kept_tokens",
+    [
+        ("L1.B2", "corrupt", 32),  # blocks 0 and 1 are whole in every layer
+        ("L0.B1", "missing", 16),
+        ("L0.B0", "corrupt", 0),  # nothing usable: generate recomputes all of it
+        ("L2.tail", "corrupt", 48),  # every block whole, the partial one lost
+    ],
+)
+def test_resume_in_lossless_mode_recomputes_from_the_first_damaged_page(
+    tiny_model, tmp_path, key, damage, kept_tokens
+):
+    disk_path, first = first_turn_in_another_process(tiny_model, tmp_path)  # 51 tokens saved
+    page = disk_path / f"{key}.page"
+    if damage == "missing":
+        page.unlink()
+    else:
+        data = bytearray(page.read_bytes())
+        data[-7] ^= 0x08
+        page.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match=f"{key}.*from token {kept_tokens} on are recomputed"):
+        cache = TieredCache.resume(
+            tiny_model.config, disk_path=disk_path, token_ids=first, damaged="recompute", **BUDGETS
+        )
+    assert cache.get_seq_length() == kept_tokens and key in cache.resume_damage
+    assert not page.exists()
+    got = greedy(tiny_model, first, cache, 6)
+    assert torch.equal(got, greedy(tiny_model, first, DynamicCache(config=tiny_model.config), 6))
+    cache.close()
+
+
+def test_resume_refuses_an_unknown_damage_mode(tiny_model, tmp_path):
+    with pytest.raises(InvalidArgumentError, match="damaged='ignore'; expected 'raise' or"):
+        TieredCache.resume(
+            tiny_model.config, disk_path=tmp_path, token_ids=[1], damaged="ignore", **BUDGETS
+        )
+
+
+def test_a_hybrid_with_a_damaged_kv_page_is_a_miss_in_lossless_mode(tmp_path):
+    """Its recurrent state belongs to the end of the saved tokens and cannot be rewound to the
+    intact prefix: the whole conversation is recomputed."""
+    model = tiny_hybrid("jamba")
+    ids = torch.randint(2, 120, (1, 40), generator=torch.Generator().manual_seed(3))
+    budgets = hybrid_budgets(model.config, tmp_path / "kv")
+    cache = TieredCache(model.config, **budgets)
+    first = greedy(model, ids, cache, 6)
+    cache.save(first)
+    cache.close()
+    page = sorted((tmp_path / "kv").glob("L*.B1.page"))[0]
+    data = bytearray(page.read_bytes())
+    data[-7] ^= 0x08
+    page.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match=f"{page.stem}.*is a miss"):
+        missed = TieredCache.resume(model.config, token_ids=first, damaged="recompute", **budgets)
+    assert missed.get_seq_length() == 0
+    got = greedy(model, first, missed, 4)
+    assert torch.equal(got, greedy(model, first, DynamicCache(config=model.config), 4))
+    missed.close()

@@ -301,6 +301,7 @@ class TieredCache(Cache):
         self.attention_layers = [layer for layer in layers if isinstance(layer, TieredLayer)]
         self.peak_layer_page_bytes = 0
         self.resume_miss: str | None = None  # why resume() could not use a saved conversation
+        self.resume_damage: str | None = None  # why resume() kept only a prefix of it
 
     def prefetch_after(self, layer_idx: int) -> None:
         """Fetch the next layer's pages (after the last layer: the first, for the next step)."""
@@ -472,13 +473,25 @@ class TieredCache(Cache):
         *,
         disk_path: str | os.PathLike,
         token_ids: torch.Tensor | list[int],
+        damaged: str = "raise",
         **kwargs: Any,
     ) -> TieredCache:
         """A cache holding a saved conversation's K/V, in a new process: ``generate`` with
         ``token_ids`` (the saved tokens and anything after them, e.g. the next user turn)
-        computes only the new tokens. Pages stay on disk until read (checked against their
-        checksums then). Pages the manifest does not name (a save that never finished) are
-        deleted. ``kwargs``: the budgets and policy, as for the constructor."""
+        computes only the new tokens. Pages the manifest does not name (a save that never
+        finished) are deleted. ``kwargs``: the budgets and policy, as for the constructor.
+
+        ``damaged``: what a missing or corrupt page costs.
+
+        * ``"raise"``: pages stay on disk until read, and are checked then: a damaged one raises
+          ``PageCorrupted`` in the step that reads it.
+        * ``"recompute"`` (lossless): every page is read and checked now; the cache keeps the
+          longest prefix whose pages are whole in every layer and deletes the rest, with a
+          warning (``resume_damage`` says why), and ``generate`` recomputes from there. A
+          hybrid's recurrent state cannot be rewound to that prefix: there, damage is a miss.
+        """
+        if damaged not in ("raise", "recompute"):
+            raise InvalidArgumentError(f"damaged={damaged!r}; expected 'raise' or 'recompute'")
         cache = cls(config, disk_path=disk_path, _resuming=True, **kwargs)
         disk = cache.store.disk
         record = disk.read_record(MANIFEST)
@@ -516,9 +529,28 @@ class TieredCache(Cache):
                 return cache._resume_missed(
                     named, len(saved), f"layer {index}'s state page {entry['state']!r}: {error}"
                 )
+        empty_tail = None  # [1, H, 0, D]: a layer resumed at a block boundary
+        if damaged == "recompute":
+            intact, reason, empty_tail = cache._intact_blocks(record)
+            if reason is not None:
+                if states:
+                    return cache._resume_missed(named, len(saved), reason)
+                for layer, entry in zip(cache.layers, record["layers"], strict=True):
+                    if isinstance(layer, TieredLayer):
+                        for key in [*entry["pages"][intact:], *filter(None, [entry["tail"]])]:
+                            disk.delete(key)
+                        entry["pages"], entry["tail"] = entry["pages"][:intact], None
+                cache.resume_damage = reason
+                warnings.warn(
+                    f"TieredCache.resume: {reason}; the K/V from token {intact * cache.block_size} "
+                    "on are recomputed by generate",
+                    stacklevel=2,
+                )
         for layer, entry in zip(cache.layers, record["layers"], strict=True):
             if not isinstance(layer, TieredLayer):
                 continue
+            if not entry["tail"] and entry["pages"] and empty_tail is not None:
+                layer.lazy_initialization(empty_tail, empty_tail)
             for index, key in enumerate(entry["pages"]):
                 cache.store.adopt_disk_page(
                     key,
@@ -540,6 +572,35 @@ class TieredCache(Cache):
             cache.store.adopt_disk_page(entry["state"], page_nbytes(page))  # kept, as the tails
         cache.prefetch_after(-1)  # the first layer's pages, for the first step
         return cache
+
+    def _intact_blocks(self, record: dict[str, Any]) -> tuple[int, str | None, torch.Tensor | None]:
+        """Read and check every saved K/V page: (blocks whole in every attention layer, why not
+        all of them are usable or None, an empty tail [1, H, 0, D] of the pages' dtype)."""
+        disk = self.store.disk
+        entries = [
+            entry
+            for layer, entry in zip(self.layers, record["layers"], strict=True)
+            if isinstance(layer, TieredLayer)
+        ]
+        intact = min(len(entry["pages"]) for entry in entries)
+        reason, empty_tail = None, None
+        for entry in entries:
+            for index, key in enumerate(entry["pages"][:intact]):
+                try:
+                    page = disk.read(key)
+                except (KeyError, PageCorrupted) as error:
+                    intact, reason = index, f"page {key!r} is damaged or missing ({error})"
+                    break
+                empty_tail = page["k"][..., :0, :].to(self.device)
+        if reason is None:
+            for entry in entries:
+                try:
+                    if entry["tail"]:
+                        disk.read(entry["tail"])
+                except (KeyError, PageCorrupted) as error:
+                    reason = f"page {entry['tail']!r} is damaged or missing ({error})"
+                    break
+        return intact, reason, empty_tail
 
     def _resume_missed(self, named: set[str], tokens: int, reason: str) -> TieredCache:
         """A saved conversation that cannot be used whole: its files are deleted (K/V without
