@@ -355,7 +355,7 @@ def test_a_saved_kv_without_its_state_is_a_miss_and_is_recomputed_not_continued(
     first = greedy(model, ids, cache, 6)
     cache.save(first)
     cache.close()
-    state_pages = sorted((tmp_path / "kv").glob("L*.state.page"))
+    state_pages = sorted((tmp_path / "kv").glob("L*.state.*.page"))
     assert state_pages
     for damage in ("corrupt", "missing"):
         if damage == "corrupt":
@@ -393,7 +393,7 @@ def test_models_tiered_cache_cannot_page_are_refused_by_name():
         ("L1.B2", "corrupt", 32),  # blocks 0 and 1 are whole in every layer
         ("L0.B1", "missing", 16),
         ("L0.B0", "corrupt", 0),  # nothing usable: generate recomputes all of it
-        ("L2.tail", "corrupt", 48),  # every block whole, the partial one lost
+        ("L2.tail.1", "corrupt", 48),  # every block whole, the partial one lost
     ],
 )
 def test_resume_in_lossless_mode_recomputes_from_the_first_damaged_page(
@@ -412,10 +412,47 @@ def test_resume_in_lossless_mode_recomputes_from_the_first_damaged_page(
             tiny_model.config, disk_path=disk_path, token_ids=first, damaged="recompute", **BUDGETS
         )
     assert cache.get_seq_length() == kept_tokens and key in cache.resume_damage
-    assert not page.exists()
-    got = greedy(tiny_model, first, cache, 6)
-    assert torch.equal(got, greedy(tiny_model, first, DynamicCache(config=tiny_model.config), 6))
+    left = {path.name for path in disk_path.glob("*.page")}
+    assert left == {
+        f"L{layer}.B{block}.page" for layer in range(3) for block in range(kept_tokens // 16)
+    }
+    expected = greedy(tiny_model, first, DynamicCache(config=tiny_model.config), 6)
+    assert torch.equal(greedy(tiny_model, first, cache, 6), expected)
     cache.close()
+    # The manifest was rewritten: the next resume, in the default mode, finds the shorter
+    # conversation whole.
+    assert TieredCache.saved_token_ids(disk_path).tolist() == [first[0, :kept_tokens].tolist()]
+    again = TieredCache.resume(tiny_model.config, disk_path=disk_path, token_ids=first, **BUDGETS)
+    assert again.get_seq_length() == kept_tokens and again.resume_damage is None
+    assert torch.equal(greedy(tiny_model, first, again, 6), expected)
+    again.close()
+
+
+def test_a_save_that_fails_before_its_manifest_leaves_the_previous_save_in_force(
+    tiny_model, tmp_path, monkeypatch
+):
+    """Tails and states are written under names of their save; the previous save's are
+    deleted only after the new manifest is written."""
+    ids = torch.randint(1, 256, (1, 40), generator=torch.Generator().manual_seed(8))
+    cache = TieredCache(tiny_model.config, disk_path=tmp_path, **BUDGETS)
+    first = greedy(tiny_model, ids, cache, 5)
+    cache.save(first)
+    second = greedy(tiny_model, first, cache, 20)  # the cache continues past the first save
+
+    def killed(*args, **kwargs):
+        raise OSError("the process died here")
+
+    monkeypatch.setattr(cache.store.disk, "write_record", killed)
+    with pytest.raises(OSError, match="died here"):
+        cache.save(second)
+    monkeypatch.undo()
+    cache.prefetcher.close()  # the process is gone; its page files stay
+    assert not list(tmp_path.glob("*.tail.2.page"))  # the failed save's own pages are gone
+    resumed = TieredCache.resume(tiny_model.config, disk_path=tmp_path, token_ids=first, **BUDGETS)
+    assert resumed.get_seq_length() == first.shape[1] - 1
+    expected = greedy(tiny_model, first, DynamicCache(config=tiny_model.config), 6)
+    assert torch.equal(greedy(tiny_model, first, resumed, 6), expected)
+    resumed.close()
 
 
 def test_resume_refuses_an_unknown_damage_mode(tiny_model, tmp_path):

@@ -484,3 +484,29 @@ def test_pages_on_the_device_are_not_prefetched_but_read_in_place(tmp_path):
     assert taken[2][0] is store.device_pages(["p2"])["p2"]  # the tier's own tensors: no copy
     assert prefetcher.bytes_fetched == {"disk": size, "host": size}
     prefetcher.close()
+
+
+@pytest.mark.parametrize("key", ["a", "layer.7", "a-much-longer-page-key.with.parts"])
+def test_decoded_tensors_start_at_aligned_offsets_of_the_buffer_they_were_read_into(key):
+    """Tensors are decoded in place: their bytes must start at a multiple of ALIGN, whatever the
+    header's length, or typed loads would read misaligned addresses."""
+    page = {"k": kv_page(1)["k"], "odd": torch.arange(3, dtype=torch.int8), "v": kv_page(2)["v"]}
+    buffer = bytearray(encode_page(key, page))
+    base = torch.frombuffer(buffer, dtype=torch.uint8).data_ptr()
+    _, back = decode_page(buffer, "memory")
+    for name, tensor in back.items():
+        assert (tensor.data_ptr() - base) % disk_module.ALIGN == 0, name
+        assert torch.equal(tensor, page[name])
+
+
+def test_a_prefetch_after_close_raises_and_leaves_nothing_pending(tmp_path):
+    from kvstack.tiers import Prefetcher
+
+    store = TieredStore(device_bytes=1 << 20, host_bytes=0, disk_path=tmp_path, disk_bytes=1 << 20)
+    store.put("p0", kv_page(0), tier="disk")
+    prefetcher = Prefetcher(store, "cpu")
+    prefetcher.close()
+    with pytest.raises(RuntimeError, match="shutdown"):
+        prefetcher.prefetch(["p0"])
+    prefetcher.drain()  # returns: no future waits for a worker that will never run
+    assert same_page(prefetcher.take("p0")[0], kv_page(0))  # fetched by the caller instead

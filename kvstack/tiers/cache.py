@@ -184,9 +184,6 @@ class TieredLayer(CacheLayerMixin):
     def reset(self) -> None:
         for key in self.page_keys:
             self.cache.store.delete(key)
-        tail = f"L{self.layer_idx}.tail"  # written by a save
-        if tail in self.cache.store.pages:
-            self.cache.store.delete(tail)
         self.page_keys = []
         self.tail_keys = self.tail_values = None
         self.is_initialized = False
@@ -302,6 +299,10 @@ class TieredCache(Cache):
         self.peak_layer_page_bytes = 0
         self.resume_miss: str | None = None  # why resume() could not use a saved conversation
         self.resume_damage: str | None = None  # why resume() kept only a prefix of it
+        # The save in force: its serial and its tail and state pages. Each save writes these
+        # under new names and deletes the previous ones only once its manifest is written.
+        self._save_serial = 0
+        self._saved_keys: set[str] = set()
 
     def prefetch_after(self, layer_idx: int) -> None:
         """Fetch the next layer's pages (after the last layer: the first, for the next step)."""
@@ -384,9 +385,11 @@ class TieredCache(Cache):
 
     def save(self, token_ids: torch.Tensor | list[int]) -> None:
         """Persist the conversation so far on the disk tier: every page gets a copy on disk
-        (pages already there are not written again), each layer's tail is written as a page,
-        and a manifest naming them, with the token ids whose K/V they hold, is written last
-        (atomically: a process killed before it leaves the previous save in force).
+        (pages already there are not written again; full blocks never change), each layer's
+        tail and each state layer's states are written as pages under names of this save, and a
+        manifest naming them, with the token ids whose K/V they hold, is written last
+        (atomically); only then are the previous save's tail and state pages deleted. A process
+        killed, or a full disk, before the manifest leaves the previous save in force.
         ``token_ids``: the conversation's ids, at least the tokens the cache has seen (the
         output of ``generate``; its last token, never fed back, is not saved)."""
         if self.store.disk is None:
@@ -400,18 +403,56 @@ class TieredCache(Cache):
                 f"token_ids has {len(ids)} tokens; expected at least the {seen} the cache has seen"
             )
         self.prefetcher.drain()
+        serial = self._save_serial + 1
+        written: list[str] = []  # this save's tail and state pages
+        try:
+            layers = self._save_pages(serial, written)
+            missing = [
+                key
+                for entry in layers
+                for key in _entry_keys(entry)
+                if "disk" not in self.store.tiers_of(key)
+            ]
+            if missing:  # a later copy pushed an earlier one out: the budget cannot hold them all
+                raise TierFull(
+                    f"disk tier: disk_budget={self.store.capacity['disk']} bytes cannot hold the "
+                    f"conversation's {sum(len(_entry_keys(e)) for e in layers)} pages "
+                    f"({len(missing)} did not fit); the previous save, if any, is still in force"
+                )
+            record = {
+                "geometry": self.geometry(),
+                "page_bytes": self.page_bytes,
+                "serial": serial,
+                "token_ids": ids[:seen],
+                "layers": layers,
+            }
+            self.store.disk.write_record(MANIFEST, record)
+        except BaseException:
+            for key in written:  # named by no manifest
+                if key in self.store.pages:
+                    self.store.delete(key)
+            raise
+        for key in self._saved_keys - set(written):
+            if key in self.store.pages:
+                self.store.delete(key)
+        self._save_serial, self._saved_keys = serial, set(written)
+
+    def _save_pages(self, serial: int, written: list[str]) -> list[dict[str, Any]]:
+        """Copy every page to disk and write the tails and states of save ``serial`` (their
+        keys appended to ``written`` as they are stored); the manifest's layer entries."""
         layers = []
         for index, layer in enumerate(self.layers):
             if type(layer) is DummyLayer:  # a layer without attention or state (an MLP)
                 layers.append({})
                 continue
             if not isinstance(layer, TieredLayer):  # its recurrent state, as one page
-                state = f"L{index}.state"
-                if state in self.store.pages:
+                state = f"L{index}.state.{serial}"
+                if state in self.store.pages:  # left by a save that failed before its manifest
                     self.store.delete(state)
                 states = _layer_states(layer)
                 if states:
                     self.store.put(state, states, tier="disk")
+                    written.append(state)
                 layers.append(
                     {
                         "state": state if states else None,
@@ -423,33 +464,16 @@ class TieredCache(Cache):
                 continue
             for key in layer.page_keys:
                 self.store.copy(key, "disk")
-            tail = f"L{layer.layer_idx}.tail"
-            if tail in self.store.pages:
+            tail = f"L{layer.layer_idx}.tail.{serial}"
+            if tail in self.store.pages:  # left by a save that failed before its manifest
                 self.store.delete(tail)
             if layer.is_initialized:
                 self.store.put(tail, {"k": layer.tail_keys, "v": layer.tail_values}, tier="disk")
+                written.append(tail)
             layers.append(
                 {"pages": list(layer.page_keys), "tail": tail if layer.is_initialized else None}
             )
-        missing = [
-            key
-            for entry in layers
-            for key in _entry_keys(entry)
-            if "disk" not in self.store.tiers_of(key)
-        ]
-        if missing:  # a later copy pushed an earlier one out: the budget cannot hold them all
-            raise TierFull(
-                f"disk tier: disk_budget={self.store.capacity['disk']} bytes cannot hold the "
-                f"conversation's {sum(len(_entry_keys(e)) for e in layers)} pages ({len(missing)} "
-                "did not fit); the previous save, if any, is still in force"
-            )
-        record = {
-            "geometry": self.geometry(),
-            "page_bytes": self.page_bytes,
-            "token_ids": ids[:seen],
-            "layers": layers,
-        }
-        self.store.disk.write_record(MANIFEST, record)
+        return layers
 
     @staticmethod
     def saved_token_ids(disk_path: str | os.PathLike) -> torch.Tensor:
@@ -521,17 +545,18 @@ class TieredCache(Cache):
                 entry["state"] is None and not saved
             ):
                 continue
+            if entry["state"] is None:
+                return cache._resume_missed(
+                    named, len(saved), f"layer {index}'s state page: none was saved"
+                )
             try:
-                if entry["state"] is None:
-                    raise KeyError("none was saved")
                 states[index] = disk.read(entry["state"])  # checksum-verified
             except (KeyError, PageCorrupted) as error:
                 return cache._resume_missed(
                     named, len(saved), f"layer {index}'s state page {entry['state']!r}: {error}"
                 )
-        empty_tail = None  # [1, H, 0, D]: a layer resumed at a block boundary
         if damaged == "recompute":
-            intact, reason, empty_tail = cache._intact_blocks(record)
+            intact, reason = cache._intact_blocks(record)
             if reason is not None:
                 if states:
                     return cache._resume_missed(named, len(saved), reason)
@@ -540,17 +565,23 @@ class TieredCache(Cache):
                         for key in [*entry["pages"][intact:], *filter(None, [entry["tail"]])]:
                             disk.delete(key)
                         entry["pages"], entry["tail"] = entry["pages"][:intact], None
+                # The manifest now names only what is left: a later resume (or a process killed
+                # before the next save) finds a whole, shorter conversation.
+                record["token_ids"] = saved = saved[: intact * cache.block_size]
+                disk.write_record(MANIFEST, record)
                 cache.resume_damage = reason
                 warnings.warn(
                     f"TieredCache.resume: {reason}; the K/V from token {intact * cache.block_size} "
                     "on are recomputed by generate",
                     stacklevel=2,
                 )
+        dtype = getattr(torch, record["geometry"]["dtype"].removeprefix("torch."))
+        empty_tail = torch.empty(1, cache.kv_heads, 0, cache.head_dim, dtype=dtype)  # [1, H, 0, D]
         for layer, entry in zip(cache.layers, record["layers"], strict=True):
             if not isinstance(layer, TieredLayer):
                 continue
-            if not entry["tail"] and entry["pages"] and empty_tail is not None:
-                layer.lazy_initialization(empty_tail, empty_tail)
+            if not entry["tail"] and entry["pages"]:  # saved at a block boundary
+                layer.lazy_initialization(*[empty_tail.to(cache.device)] * 2)
             for index, key in enumerate(entry["pages"]):
                 cache.store.adopt_disk_page(
                     key,
@@ -566,16 +597,19 @@ class TieredCache(Cache):
                 layer.tail_keys, layer.tail_values = keys, values
                 # Kept on disk, named in the store: resuming twice finds the save intact.
                 cache.store.adopt_disk_page(entry["tail"], keys.nbytes + values.nbytes)
+                cache._saved_keys.add(entry["tail"])
         for index, page in states.items():
             entry = record["layers"][index]
             _restore_states(cache.layers[index], page, entry["has_previous_state"], cache.device)
             cache.store.adopt_disk_page(entry["state"], page_nbytes(page))  # kept, as the tails
+            cache._saved_keys.add(entry["state"])
+        cache._save_serial = record.get("serial", 0)
         cache.prefetch_after(-1)  # the first layer's pages, for the first step
         return cache
 
-    def _intact_blocks(self, record: dict[str, Any]) -> tuple[int, str | None, torch.Tensor | None]:
+    def _intact_blocks(self, record: dict[str, Any]) -> tuple[int, str | None]:
         """Read and check every saved K/V page: (blocks whole in every attention layer, why not
-        all of them are usable or None, an empty tail [1, H, 0, D] of the pages' dtype)."""
+        all of them are usable or None)."""
         disk = self.store.disk
         entries = [
             entry
@@ -583,15 +617,14 @@ class TieredCache(Cache):
             if isinstance(layer, TieredLayer)
         ]
         intact = min(len(entry["pages"]) for entry in entries)
-        reason, empty_tail = None, None
+        reason = None
         for entry in entries:
             for index, key in enumerate(entry["pages"][:intact]):
                 try:
-                    page = disk.read(key)
+                    disk.read(key)
                 except (KeyError, PageCorrupted) as error:
                     intact, reason = index, f"page {key!r} is damaged or missing ({error})"
                     break
-                empty_tail = page["k"][..., :0, :].to(self.device)
         if reason is None:
             for entry in entries:
                 try:
@@ -600,7 +633,7 @@ class TieredCache(Cache):
                 except (KeyError, PageCorrupted) as error:
                     reason = f"page {entry['tail']!r} is damaged or missing ({error})"
                     break
-        return intact, reason, empty_tail
+        return intact, reason
 
     def _resume_missed(self, named: set[str], tokens: int, reason: str) -> TieredCache:
         """A saved conversation that cannot be used whole: its files are deleted (K/V without
@@ -619,15 +652,17 @@ class TieredCache(Cache):
         return self
 
     def reset(self) -> None:
-        """Forget every token, deleting its pages from every tier (a resumed conversation's
-        saved pages too: resume it again from a copy of its directory if it must survive);
-        pending fetches are drained first (page keys are reused)."""
+        """Forget every token, deleting its pages from every tier and the save in force, if
+        any (a resumed conversation's too: resume it again from a copy of its directory if it
+        must survive); pending fetches are drained first (page keys are reused)."""
         self.prefetcher.drain()
         super().reset()
-        for index, layer in enumerate(self.layers):
-            state = f"L{index}.state"  # written by a save
-            if isinstance(layer, LinearAttentionLayer) and state in self.store.pages:
-                self.store.delete(state)
+        for key in self._saved_keys:  # the saved tails and states
+            if key in self.store.pages:
+                self.store.delete(key)
+        self._saved_keys = set()
+        if self._save_serial and self.store.disk is not None:
+            self.store.disk.delete_record(MANIFEST)  # it named the pages just deleted
 
     def close(self) -> None:
         self.prefetcher.close()

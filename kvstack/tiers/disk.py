@@ -5,6 +5,10 @@ A page is a few named tensors (a KV block's ``k`` and ``v``, a hybrid layer's st
     MAGIC (8 bytes) | SHA-256 of everything after it (32) | header length (8, little endian)
     | header (JSON: key, and each tensor's name, dtype, shape and byte count) | tensor bytes
 
+Each tensor's bytes start at a multiple of ``ALIGN`` bytes from the file's start (the header is
+padded with spaces, the tensors with zeros): a read decodes the tensors in place, in the buffer
+it read into, and typed loads need naturally aligned addresses.
+
 Why each piece:
 
 * **Atomic rename.** A page is written to a hidden temporary file in the same directory,
@@ -32,7 +36,8 @@ import torch
 
 from kvstack.errors import InvalidArgumentError, PageCorrupted, TierFull
 
-MAGIC = b"KVSPAGE1"
+MAGIC = b"KVSPAGE2"  # 2: tensors aligned to ALIGN bytes
+ALIGN = 64
 DIGEST_BYTES = 32  # SHA-256
 PAGE_SUFFIX = ".page"
 TEMP_SUFFIX = ".tmp"
@@ -72,10 +77,16 @@ def encode_page(key: str, page: Page) -> bytes:
                 "nbytes": len(raw),
             }
         )
-        payload.append(raw)
+        payload.append(raw + bytes(_padding(len(raw))))
     header = json.dumps({"key": key, "tensors": tensors}).encode()
+    header += b" " * _padding(len(MAGIC) + DIGEST_BYTES + 8 + len(header))  # JSON ignores it
     body = struct.pack("<Q", len(header)) + header + b"".join(payload)
     return MAGIC + hashlib.sha256(body).digest() + body
+
+
+def _padding(nbytes: int) -> int:
+    """Bytes that bring ``nbytes`` up to a multiple of ``ALIGN``."""
+    return -nbytes % ALIGN
 
 
 def decode_page(data: bytes | bytearray, source: str) -> tuple[str, Page]:
@@ -105,7 +116,7 @@ def decode_page(data: bytes | bytearray, source: str) -> tuple[str, Page]:
             page[spec["name"]] = torch.empty(spec["shape"], dtype=dtype)
             continue
         raw = torch.frombuffer(buffer, dtype=torch.uint8, offset=offset, count=spec["nbytes"])
-        offset += spec["nbytes"]
+        offset += spec["nbytes"] + _padding(spec["nbytes"])
         page[spec["name"]] = raw.view(dtype).reshape(spec["shape"])  # [numel] -> shape
     return header["key"], page
 
@@ -282,7 +293,14 @@ class DiskTier:
         """Read, check and decode the page from ``handle`` (``open(key)``), closing it."""
         with handle:
             data = bytearray(os.fstat(handle.fileno()).st_size)  # read once, decoded in place
-            del data[handle.readinto(data) :]  # a short read fails the checks below
+            view, done = memoryview(data), 0
+            while done < len(data):  # one readinto returns at most ~2 GiB
+                count = handle.readinto(view[done:])
+                if not count:
+                    break
+                done += count
+            del view
+            del data[done:]  # a file that shrank meanwhile fails the checks below
         source = self.file_of(key)
         stored_key, page = decode_page(data, str(source))
         if stored_key != key:

@@ -48,8 +48,15 @@ class Prefetcher:
                 future: Future = Future()
                 self._pending[key] = future
                 batch.append((key, future))
-        if batch:
+        if not batch:
+            return
+        try:
             self._pool.submit(self._fetch_batch, batch)
+        except BaseException as error:  # a closed pool: nobody would complete these futures
+            for key, future in batch:
+                del self._pending[key]
+                future.set_exception(error)
+            raise
 
     def _fetch_batch(self, batch: list[tuple[str, Future]]) -> None:
         for key, future in batch:
