@@ -25,8 +25,13 @@ def test_the_quick_run_measures_every_figure_and_its_tiered_tokens_are_exact(qui
         "tiers.overlap_fraction",
         "tiers.bytes_per_token.lru",
         "tiers.bytes_per_token.cost",
+        "tiers.bytes_per_token.attention",
         "tiers.hit_rate.lru",
         "tiers.hit_rate.cost",
+        "tiers.hit_rate.attention",
+        "tiers.device_attention_share.lru",
+        "tiers.device_attention_share.cost",
+        "tiers.device_attention_share.attention",
         "tiers.tokens_equal_dynamic",
         "tiers.resume_speedup",
         "tiers.resume_tokens_equal",
@@ -42,6 +47,14 @@ def test_the_quick_run_measures_every_figure_and_its_tiered_tokens_are_exact(qui
     assert device <= 0.25 * kv  # the tails count in the quarter
     assert figures["tiers.device_kv_fraction.device25"].value == device / kv
     assert runs["all_device"]["device_hit_rate"] == 1.0
+    # Every page is read at every step: where the rules put pages cannot change the bytes.
+    assert (
+        figures["tiers.bytes_per_token.attention"].value
+        == figures["tiers.bytes_per_token.lru"].value
+    )
+    assert runs["all_device"]["device_attention_share"] == pytest.approx(1.0)
+    for policy in ("lru", "cost", "attention"):
+        assert 0 < figures[f"tiers.device_attention_share.{policy}"].value < 1
 
 
 def test_kv_bytes_count_every_layer_k_and_v():

@@ -3,6 +3,7 @@ and disk, on a tiny model (every tier and rule) and on SmolLM2 with 25 % of the 
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from transformers import DynamicCache, LlamaForCausalLM
 
 from kvstack.errors import InvalidArgumentError, KVStackError
-from kvstack.tiers import TieredCache
+from kvstack.tiers import ATTENTION_NAME, TieredCache
 from spec_tests.tiny import tiny_llama_config
 
 
@@ -34,21 +35,41 @@ def tiny_model():
     return model
 
 
-@pytest.mark.parametrize("policy", ["lru", "attention", "cost"])
-def test_tokens_equal_dynamic_cache_with_pages_on_host_and_disk(tiny_model, tmp_path, policy):
+@contextlib.contextmanager
+def tiers_attention(model):
+    """The model runs the "kvstack_tiers" attention inside the block (sdpa outside it)."""
+    model.set_attn_implementation(ATTENTION_NAME)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+@pytest.mark.parametrize(
+    "policy,placement",
+    [("lru", "recency"), ("cost", "recency"), ("attention", "attention"), ("lru", "attention")],
+)
+def test_tokens_equal_dynamic_cache_with_pages_on_host_and_disk(
+    tiny_model, tmp_path, policy, placement
+):
     ids = torch.randint(1, 256, (1, 90), generator=torch.Generator().manual_seed(1))
     expected = greedy(tiny_model, ids, DynamicCache(config=tiny_model.config), 30)
     page = 2 * 16 * 2 * 16 * 4  # K and V of 16 tokens, 2 KV heads of 16 dims, fp32
-    cache = TieredCache(
-        tiny_model.config,
-        device_budget=3 * page,
-        host_budget=3 * page,
-        disk_path=tmp_path,
-        disk_budget="1MiB",
-        policy=policy,
-    )
-    got = greedy(tiny_model, ids, cache, 30)
+    scored = policy == "attention" or placement == "attention"
+    with tiers_attention(tiny_model) if scored else contextlib.nullcontext():
+        cache = TieredCache(
+            tiny_model.config,
+            device_budget=3 * page,
+            host_budget=3 * page,
+            disk_path=tmp_path,
+            disk_budget="1MiB",
+            policy=policy,
+            placement=placement,
+        )
+        got = greedy(tiny_model, ids, cache, 30)
     assert torch.equal(got, expected)
+    share = cache.stats()["device_attention_share"]
+    assert (share is None) if not scored else (0.0 < share < 1.0)
     stats = cache.stats()
     assert stats["seen_tokens"] == 119  # 90 + 30 - 1: the last token is never fed back
     assert stats["pages"] == 3 * (119 // 16)
@@ -482,3 +503,46 @@ def test_a_hybrid_with_a_damaged_kv_page_is_a_miss_in_lossless_mode(tmp_path):
     got = greedy(model, first, missed, 4)
     assert torch.equal(got, greedy(model, first, DynamicCache(config=model.config), 4))
     missed.close()
+
+
+# --------------------------------------------------------------------------- attention scores
+def test_placement_at_prefill_puts_the_most_attended_pages_on_device_then_host(
+    tiny_model, tmp_path
+):
+    ids = torch.randint(1, 256, (1, 120), generator=torch.Generator().manual_seed(6))
+    page = 2 * 16 * 2 * 16 * 4
+    with tiers_attention(tiny_model):
+        cache = TieredCache(
+            tiny_model.config,
+            device_budget=4 * page,
+            host_budget=5 * page,
+            disk_path=tmp_path,
+            disk_budget="1MiB",
+            placement="attention",
+        )
+        greedy(tiny_model, ids, cache, 1)  # the prefill only: its scores placed the pages
+    pages = cache.store.pages
+    # Every page was scored once, at prefill (from 0, so its running average is half its share).
+    assert all(info.attention > 0 for info in pages.values())
+    ranked = sorted(pages, key=lambda k: (-pages[k].attention, k))
+    assert [pages[k].home for k in ranked] == ["device"] * 4 + ["host"] * 5 + ["disk"] * (
+        len(ranked) - 9
+    )
+    cache.store.check()
+    cache.close()
+
+
+def test_attention_scores_are_required_where_the_cache_ranks_by_them(tiny_model):
+    for kwargs in (dict(policy="attention"), dict(placement="attention")):
+        with pytest.raises(InvalidArgumentError, match="attn_implementation='kvstack_tiers'"):
+            TieredCache(tiny_model.config, device_budget="1MiB", host_budget=0, **kwargs)
+    with pytest.raises(InvalidArgumentError, match="placement='snapkv'"):
+        TieredCache(tiny_model.config, device_budget="1MiB", host_budget=0, placement="snapkv")
+    # Built for the scored attention, then run on another: the first step says so.
+    with tiers_attention(tiny_model):
+        cache = TieredCache(
+            tiny_model.config, device_budget="1MiB", host_budget=0, policy="attention"
+        )
+    ids = torch.randint(1, 256, (1, 20), generator=torch.Generator().manual_seed(7))
+    with pytest.raises(KVStackError, match="only the 'kvstack_tiers' attention reports"):
+        greedy(tiny_model, ids, cache, 2)

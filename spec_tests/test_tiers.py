@@ -510,3 +510,68 @@ def test_a_prefetch_after_close_raises_and_leaves_nothing_pending(tmp_path):
         prefetcher.prefetch(["p0"])
     prefetcher.drain()  # returns: no future waits for a worker that will never run
     assert same_page(prefetcher.take("p0")[0], kv_page(0))  # fetched by the caller instead
+
+
+# --------------------------------------------------------------------------- placement
+@settings(deadline=None, max_examples=25)
+@given(
+    order=st.permutations(list(range(9))),
+    homes=st.lists(st.sampled_from(["device", "host", "disk"]), min_size=9, max_size=9),
+)
+def test_placement_puts_the_most_important_pages_highest_and_loses_none(order, homes):
+    import tempfile
+
+    size = page_nbytes(kv_page(0))
+    with tempfile.TemporaryDirectory() as path:
+        store = TieredStore(
+            device_bytes=3 * size, host_bytes=3 * size, disk_path=path, disk_bytes=1 << 20
+        )
+        pages = {f"p{i}": kv_page(i) for i in range(9)}
+        # Homes as drawn, as far as the tiers hold them (put demotes when one is full).
+        for (key, page), home in zip(pages.items(), homes, strict=True):
+            store.put(key, page, tier=home)
+        ranked = [f"p{i}" for i in order]
+        store.place(ranked)
+        assert [store.pages[k].home for k in ranked] == 3 * ["device"] + 3 * ["host"] + 3 * ["disk"]
+        for key, page in pages.items():
+            assert same_page(store.get(key)[0], page)
+        assert isinstance(store.rule, LRU)  # the store's own rule is back
+        store.check()
+
+
+def test_placement_of_an_unknown_page_is_refused_before_anything_moves(tmp_path):
+    size = page_nbytes(kv_page(0))
+    store = TieredStore(device_bytes=size, host_bytes=size, disk_path=tmp_path, disk_bytes=1 << 20)
+    store.put("a", kv_page(0))
+    store.put("b", kv_page(1))  # a goes to host
+    with pytest.raises(KeyError, match="'nope' is not stored"):
+        store.place(["a", "nope"])
+    assert store.homes(["a", "b"]) == {"a": "host", "b": "device"}
+    store.check()
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,t_q,t_k", [(4, 2, 1, 9), (6, 3, 7, 7), (2, 2, 40, 45)])
+def test_key_attention_mass_is_the_window_queries_mean_attention_per_key(
+    q_heads, kv_heads, t_q, t_k
+):
+    from kvstack.tiers import key_attention_mass
+
+    generator = torch.Generator().manual_seed(q_heads * t_k)
+    query = torch.randn(2, q_heads, t_q, 8, generator=generator)
+    key = torch.randn(2, kv_heads, t_k, 8, generator=generator)
+    window = 32
+    got = key_attention_mass(query, key, 0.3, window)
+    # One query at a time: query i (position t_k - t_q + i) of head h attends to KV head
+    # h // (q_heads / kv_heads) over keys up to its position.
+    expected = torch.zeros(2, t_k)
+    observed = range(max(0, t_q - window), t_q)
+    for b in range(2):
+        for h in range(q_heads):
+            for i in observed:
+                position = t_k - t_q + i
+                keys = key[b, h // (q_heads // kv_heads), : position + 1]
+                probs = torch.softmax(keys @ query[b, h, i] * 0.3, dim=0)
+                expected[b, : position + 1] += probs
+    expected /= q_heads * len(observed)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(got.sum(-1), torch.ones(2))

@@ -7,15 +7,21 @@
   (``eviction``).
 * ``Prefetcher``: the next layer's pages fetched on worker threads while a layer computes.
 * ``TieredCache``: a lossless Hugging Face cache over the tiers.
+* The ``"kvstack_tiers"`` attention (registered on import): sdpa's outputs, plus the attention
+  scores that place pages at prefill and feed the attention-aware rule (``attention``).
 """
 
+from kvstack.tiers.attention import ATTENTION_NAME, key_attention_mass, register
 from kvstack.tiers.cache import TieredCache, TieredLayer
 from kvstack.tiers.disk import DiskTier, decode_page, encode_page, page_nbytes
 from kvstack.tiers.eviction import LRU, RULES, TIERS, AttentionAware, CostAware, PageInfo
 from kvstack.tiers.prefetch import Prefetcher
 from kvstack.tiers.store import TieredStore
 
+register()
+
 __all__ = [
+    "ATTENTION_NAME",
     "LRU",
     "RULES",
     "TIERS",
@@ -29,5 +35,6 @@ __all__ = [
     "TieredStore",
     "decode_page",
     "encode_page",
+    "key_attention_mass",
     "page_nbytes",
 ]

@@ -20,6 +20,14 @@ of the next layer being fetched. If a tier is too full for a step (``TierFull``)
 must be ``reset()``: the layers before the failing one have taken the step. This is the layer-wise streaming of offloading systems; attention over resident and
 fetched segments merged by log-sum-exp, without gathering, is the next step.
 
+Placement and the attention-aware rule need the attention scores, which sdpa does not give a
+cache: with the model on the ``"kvstack_tiers"`` attention (``kvstack.tiers.attention``: sdpa's
+outputs, so the tokens are the same), each layer's keys are scored by an observation window of
+the step's last queries. ``placement="attention"`` then places the pages once a prefill's last
+layer has scored them: the most attended on device, the next on host, the rest on disk
+(SnapKV-style, ``TieredStore.place``); ``policy="attention"`` demotes the pages with the lowest
+running average of those scores first (KVDrive). Either refuses a config on another attention.
+
 Hybrid models (Jamba, Bamba, Qwen3-Next, LFM2, NemotronH): their state layers keep transformers'
 own ``LinearAttentionLayer`` on the device (fixed-size conv and recurrent states, rewritten every
 step); ``save()`` writes each one's states as a page beside the KV, and ``resume()`` restores
@@ -45,11 +53,13 @@ from transformers.cache_utils import (
 
 from kvstack.arena import parse_bytes
 from kvstack.errors import InvalidArgumentError, KVStackError, PageCorrupted, TierFull
+from kvstack.tiers import attention as tiers_attention
 from kvstack.tiers.disk import page_nbytes
 from kvstack.tiers.eviction import RULES, EvictionRule
 from kvstack.tiers.prefetch import Prefetcher
 from kvstack.tiers.store import TieredStore
 
+PLACEMENTS = ("recency", "attention")  # where prefill leaves pages: newest on device, or by score
 MANIFEST = "conversation.json"  # a saved conversation's record, on the disk tier
 
 
@@ -126,6 +136,13 @@ class TieredLayer(CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ):
+        pending = tiers_attention.PENDING
+        if pending.layer is not None and pending.layer.cache is self.cache:
+            # The layer before stored K/V and no "kvstack_tiers" attention call took it: the
+            # model runs another attention, so no scores reach this cache.
+            pending.layer, pending.key = None, None
+            if self.cache.needs_attention:
+                raise KVStackError(self.cache.attention_needed())
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         block = self.cache.block_size
@@ -167,7 +184,17 @@ class TieredLayer(CacheLayerMixin):
         self.cache.prefetch_after(self.layer_idx)
         all_keys = torch.cat([p["k"] for p in pages] + [self.tail_keys], dim=-2)  # [B, H, seen, D]
         all_values = torch.cat([p["v"] for p in pages] + [self.tail_values], dim=-2)
+        pending.layer, pending.key = self, all_keys  # for the attention call that follows
         return all_keys, all_values
+
+    def observe_attention(self, mass: torch.Tensor, query_length: int) -> None:
+        """Take the attention scores of this step's keys ([B, seen] float32, each row summing to
+        1, from ``kvstack.tiers.attention``): each page's share goes to the cache."""
+        block, pages = self.cache.block_size, len(self.page_keys)
+        # [B, pages * block] -> [B, pages, block]: a page's share is its tokens' sum, and the
+        # rows of a batch share their pages.
+        shares = mass[:, : pages * block].reshape(mass.shape[0], pages, block).sum(-1).mean(0)
+        self.cache.observe_page_attention(self, shares.tolist(), prefill=query_length > 1)
 
     def get_seq_length(self) -> int:
         if not self.is_initialized:
@@ -213,6 +240,7 @@ class TieredCache(Cache):
         disk_path: str | os.PathLike | None = None,
         disk_budget: int | str = 0,
         policy: str | EvictionRule = "lru",
+        placement: str = "recency",
         block_size: int = 16,
         device: str | torch.device = "cpu",
         prefetch_workers: int = 1,
@@ -238,7 +266,16 @@ class TieredCache(Cache):
             if policy not in RULES:
                 raise InvalidArgumentError(f"policy={policy!r}; expected one of {sorted(RULES)}")
             policy = RULES[policy]()
+        if placement not in PLACEMENTS:
+            raise InvalidArgumentError(f"placement={placement!r}; expected one of {PLACEMENTS}")
+        self.placement = placement
+        self._rule_name = type(policy).__name__
+        self.needs_attention = placement == "attention" or getattr(policy, "uses_attention", False)
         text_config = config.get_text_config(decoder=True)
+        if self.needs_attention and (
+            getattr(text_config, "_attn_implementation", None) != tiers_attention.ATTENTION_NAME
+        ):
+            raise InvalidArgumentError(self.attention_needed())
         kv_heads = (
             getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
         )
@@ -303,6 +340,45 @@ class TieredCache(Cache):
         # under new names and deletes the previous ones only once its manifest is written.
         self._save_serial = 0
         self._saved_keys: set[str] = set()
+        # Attention scores (from the "kvstack_tiers" attention): a prefill's page shares, kept
+        # until its last layer places the pages, and the decode steps' share on the device.
+        self._prefill_shares: dict[str, float] = {}
+        self._device_share_sum = 0.0
+        self._device_share_count = 0
+
+    def attention_needed(self) -> str:
+        """Why this cache needs the ``"kvstack_tiers"`` attention, and how to give it."""
+        return (
+            f"TieredCache(policy={self._rule_name}, placement={self.placement!r}) "
+            "ranks pages by attention scores, which only the "
+            f"{tiers_attention.ATTENTION_NAME!r} attention reports; load the model with "
+            f"attn_implementation={tiers_attention.ATTENTION_NAME!r}, or call "
+            f"model.set_attn_implementation({tiers_attention.ATTENTION_NAME!r}) after importing "
+            "kvstack.tiers, and build the cache from that model's config"
+        )
+
+    def observe_page_attention(
+        self, layer: TieredLayer, shares: list[float], prefill: bool
+    ) -> None:
+        """A layer's page shares of this step's attention: each page's running average for
+        the attention-aware rule; at prefill, placement once the last layer has scored its
+        pages; at decode, the share that fell on the device (pages homed there and the tail)."""
+        for key, share in zip(layer.page_keys, shares, strict=True):
+            self.store.observe_attention(key, share)
+        if prefill:
+            if self.placement == "attention":
+                self._prefill_shares.update(zip(layer.page_keys, shares, strict=True))
+                if layer is self.attention_layers[-1]:
+                    scores = self._prefill_shares
+                    self.store.place(sorted(scores, key=lambda k: (-scores[k], k)))
+                    self._prefill_shares = {}
+            return
+        homes = self.store.homes(layer.page_keys)
+        on_device = sum(
+            s for key, s in zip(layer.page_keys, shares, strict=True) if homes[key] == "device"
+        )
+        self._device_share_sum += on_device + max(0.0, 1.0 - sum(shares))  # the tail's share
+        self._device_share_count += 1
 
     def prefetch_after(self, layer_idx: int) -> None:
         """Fetch the next layer's pages (after the last layer: the first, for the next step)."""
@@ -366,6 +442,12 @@ class TieredCache(Cache):
             "transfer_seconds": self.prefetcher.transfer_seconds,
             "stall_seconds": self.prefetcher.stall_seconds,
             "overlap_fraction": self.prefetcher.overlap_fraction,
+            # Mean over decode steps and layers; None without the "kvstack_tiers" attention.
+            "device_attention_share": (
+                self._device_share_sum / self._device_share_count
+                if self._device_share_count
+                else None
+            ),
         }
 
     # ------------------------------------------------------------------ across processes

@@ -55,6 +55,8 @@ class LRU:
 
 
 class AttentionAware:
+    uses_attention = True  # TieredCache must see the attention: the "kvstack_tiers" attention
+
     def rank(self, pages, now, demote_to):
         return sorted(pages, key=lambda p: (p.attention, p.last_used, p.key))
 

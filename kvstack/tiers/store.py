@@ -24,6 +24,7 @@ import functools
 import os
 import threading
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -161,6 +162,11 @@ class TieredStore:
         return self.disk.read_opened(key, handle), tier
 
     @_locked
+    def homes(self, keys: list[str]) -> dict[str, str]:
+        """Each key's home tier, under one lock."""
+        return {key: self._info(key).home for key in keys}
+
+    @_locked
     def device_pages(self, keys: list[str]) -> dict[str, Page]:
         """The device tier's pages among ``keys`` (homes and copies), under one lock."""
         device = self._memory["device"]
@@ -262,6 +268,38 @@ class TieredStore:
         info.attention = decay * info.attention + (1 - decay) * float(mass)
 
     @_locked
+    def place(self, ranked: list[str]) -> None:
+        """Placement by importance (SnapKV-style, at prefill): the pages of ``ranked``, most
+        important first, fill the device tier, then host, and the rest stay where they are or
+        go lower. Each page that must rise is moved (copy, then switch; one that cannot, because
+        the tiers below are too full to take what it displaces, stays whole where it is). While
+        this runs, the room a move needs is made by demoting the least important pages first,
+        so a page is never pushed down by a less important one. Pages not in ``ranked`` count
+        as least important."""
+        for key in ranked:
+            self._info(key)
+        order = {key: index for index, key in enumerate(ranked)}
+        rule, self.rule = self.rule, _ByImportance(order)
+        try:
+            filled = dict.fromkeys(TIERS, 0)
+            for key in ranked:
+                info = self._info(key)
+                target = next(
+                    (t for t in ("device", "host") if filled[t] + info.nbytes <= self.capacity[t]),
+                    None,
+                )
+                if target is None:  # below host: wherever demotion leaves it
+                    continue
+                filled[target] += info.nbytes
+                if TIERS.index(target) < TIERS.index(info.home):
+                    try:
+                        self.move(key, target)
+                    except TierFull:  # no room below for what it displaces: it stays, whole
+                        continue
+        finally:
+            self.rule = rule
+
+    @_locked
     def make_room(self, tier: str, nbytes: int, protect: str | None = None) -> None:
         """Free ``nbytes`` in ``tier``: drop copies there, then demote homed pages one tier down
         in the rule's order. Raises ``TierFull`` when even that cannot free them (pages demoted
@@ -350,3 +388,15 @@ class TieredStore:
             assert self.disk.bytes_used <= self.capacity["disk"]
         for info in self.pages.values():
             assert info.home not in info.copies
+
+
+@dataclass
+class _ByImportance:
+    """The rule ``TieredStore.place`` demotes by while it runs: the least important page first
+    (pages it was not given before all ranked ones)."""
+
+    order: dict[str, int]  # key -> rank, 0 the most important
+
+    def rank(self, pages, now, demote_to):
+        unranked = len(self.order)
+        return sorted(pages, key=lambda p: (-self.order.get(p.key, unranked), p.key))
