@@ -35,7 +35,18 @@ from typing import Any
 
 from kvstack.errors import InvalidArgumentError
 
-SUITES = ("core", "vtoken", "quality", "arena", "serve", "kvpress", "tangram", "tiers", "gpu")
+SUITES = (
+    "core",
+    "vtoken",
+    "quality",
+    "arena",
+    "serve",
+    "kvpress",
+    "tangram",
+    "tiers",
+    "memory",
+    "gpu",
+)
 REPO_ROOT = Path(__file__).resolve().parents[1]  # bench/ sits at the top of the checkout
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
 

@@ -1,8 +1,8 @@
 """The ``kvstack`` command.
 
     kvstack bench SUITE --out DIR [--quick]  run a benchmark (core, vtoken, quality, arena,
-                                             serve, kvpress, tangram, tiers, gpu): its report under DIR,
-                                             its results (full runs) in
+                                             serve, kvpress, tangram, tiers, memory, gpu): its
+                                             report under DIR, its results (full runs) in
                                              bench/results/SUITE.json, to be committed
     kvstack figures [--check]                render the README's figure tables from those files;
                                              --check: fail if one differs or is stale
@@ -59,6 +59,11 @@ BENCH_SUITES = {
         "TieredCache with most of the KV on host and disk: decode speed, prefetch overlap, "
         "bytes per token, resume from disk (SmolLM2)",
         "a short prompt",
+    ),
+    "memory": (
+        "a fact memory: time to first token and accuracy, facts' KV injected against their text "
+        "prefilled (SmolLM2)",
+        "six questions, k = 2 and 4",
     ),
     "gpu": ("generate speed on a CUDA device (SmolLM2 architecture)", "eight new tokens"),
 }

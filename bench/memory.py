@@ -1,0 +1,267 @@
+"""The memory benchmark: a fact memory's time to first token and accuracy against prefilling the
+facts' text (InferScale, on ``kvstack.facts.FactMemory``).
+
+Workload: SmolLM2-135M-Instruct on CPU, float32, one torch thread, sdpa attention. The facts and
+questions are the evaluation set of ``kvstack.bench.conversations`` (multi-session conversations,
+seed 0). Every fact is added to two memories: encoded alone (w = 0) and after the five turns
+before it (w = 5). A prompt is the chat template around
+
+    header:   system line, then "Notes:" (the user turn begins)
+    facts:    the k retrieved facts, one per line (each fact's text and a newline)
+    question: "Question: ...", the end of the user turn and the assistant's start
+
+as token ids (``FactMemory.prompt_ids``). Retrieval (all-MiniLM-L6-v2, cosine top-k over the
+question) is the same for both sides and not timed.
+
+* ``memory.ttft_speedup.k{5,10,20,50}``: time to the first token prefilling that whole prompt
+  as text (``DynamicCache``) ÷ time to the first token with the facts injected (the header
+  prefilled, the k facts' stored K/V re-rotated to their positions and written into a
+  ``DynamicCache``, then the question prefilled over it). Same model, same token ids, same
+  attention; what differs is only whether the facts' tokens go through the model. Medians over
+  interleaved rounds, a different question each round. Target >= 4.8 at k = 50 (InferScale:
+  3.6-4.8x).
+* ``memory.ttft_flatness``: injected TTFT at k = 50 ÷ at k = 5. Target <= 1.2.
+* ``memory.accuracy.{prefill,inject_w0,inject_w5}``: of the evaluation set's questions, those
+  whose greedy answer (up to ``ANSWER_TOKENS`` tokens, k = ``ACCURACY_K`` retrieved facts)
+  contains an accepted answer after normalisation (``conversations.score``); the three sides
+  see the same retrieved facts. InferScale's bar: injection with w = 5 within 3 points of
+  prefill.
+
+Not here yet: the figures through vLLM's connector and under the engine's concurrent load.
+"""
+
+from __future__ import annotations
+
+import statistics
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvstack.bench.suite import OPS_CODE, Figure, Measured, figure_table, format_value, run_suite
+from kvstack.bench.timing import time_interleaved
+
+NAME = "memory"
+DEPENDS_ON = (
+    *OPS_CODE,  # rerotate_keys
+    "kvstack/facts",
+    "kvstack/models.py",
+    "bench/memory.py",
+    "bench/conversations.py",
+    "bench/timing.py",
+)
+MODEL_NAME = "SmolLM2-135M-Instruct (kvstack.models.load_smollm2: dequantised Q4_1, fp32)"
+KS, QUICK_KS = (5, 10, 20, 50), (2, 4)
+ROUNDS, QUICK_ROUNDS = 7, 1  # interleaved timing rounds, a different question each
+ACCURACY_K, QUICK_ACCURACY_K = 5, 2
+ANSWER_TOKENS = 12
+QUICK_QUESTIONS, QUICK_FACTS = 6, 24
+CONTEXT_TURNS = 5  # w of the second memory
+SYSTEM = "Answer the question with a short phrase taken from the notes."
+
+
+def prompt_parts(tokenizer: Any, question: str) -> tuple[str, str]:
+    """(header, question) text around the facts, in SmolLM2's chat template."""
+    header = f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\nNotes:\n"
+    tail = f"Question: {question}<|im_end|>\n<|im_start|>assistant\n"
+    return header, tail
+
+
+def measure(quick: bool, log: Callable[[str], None]) -> Measured:
+    from transformers import DynamicCache
+
+    from kvstack.bench.conversations import accuracy, generate_conversations
+    from kvstack.facts import FactMemory, MiniLMEmbedder
+    from kvstack.models import load_smollm2
+
+    torch.set_num_threads(1)
+    ks = QUICK_KS if quick else KS
+    rounds = QUICK_ROUNDS if quick else ROUNDS
+    accuracy_k = QUICK_ACCURACY_K if quick else ACCURACY_K
+    model, tokenizer = load_smollm2(progress=False)
+    model.set_attn_implementation("sdpa")
+    evaluation = generate_conversations(seed=0)
+    facts, questions = evaluation.facts, evaluation.questions
+    if quick:  # the first facts, and questions those answer
+        facts = facts[:QUICK_FACTS]
+        known = {f.id for f in facts}
+        questions = [q for q in questions if set(q.fact_ids) <= known][:QUICK_QUESTIONS]
+    if len(facts) < max(ks):
+        raise AssertionError(f"the evaluation set has {len(facts)} facts; k goes to {max(ks)}")
+    embedder = MiniLMEmbedder()
+    log(
+        f"{len(facts)} facts, {len(questions)} questions: encoding them (w = 0 and w = {CONTEXT_TURNS})"
+    )
+    memories = {}
+    for w in (0, CONTEXT_TURNS):
+        memory = FactMemory(model, tokenizer, embedder=embedder, context_turns=w)
+        memory.add_many([f.text for f in facts], [evaluation.turns_before(f, w) for f in facts])
+        memories[w] = memory
+    plain = memories[0]
+
+    def first_token_prefill(ids: list[int]) -> int:
+        with torch.inference_mode():
+            logits = model(
+                torch.tensor([ids]), past_key_values=DynamicCache(config=model.config)
+            ).logits
+        return int(logits[0, -1].argmax())
+
+    def first_token_injected(memory: Any, header: str, fact_ids: list[str], tail: str) -> int:
+        with torch.inference_mode():
+            cache, ids = memory.build_cache(header, fact_ids, tail)
+            logits = model(ids[:, cache.get_seq_length() :], past_key_values=cache).logits
+        return int(logits[0, -1].argmax())
+
+    # ---------------------------------------------------------------- TTFT, k facts per prompt
+    def time_k(k: int) -> tuple[dict[str, float], float]:
+        """Median TTFT of both sides with ``k`` retrieved facts, a new question each round;
+        and the median prompt length."""
+        current: dict[str, Any] = {"lengths": []}
+
+        def next_question(round_index: int | None) -> None:
+            index = 0 if round_index is None else round_index + 1
+            question = questions[index % len(questions)]
+            header, tail = prompt_parts(tokenizer, question.text)
+            fact_ids = plain.retrieve(question.text, k)
+            ids = plain.prompt_ids(header, fact_ids, tail)
+            current.update(header=header, tail=tail, fact_ids=fact_ids, ids=ids)
+            current["lengths"].append(len(ids))
+
+        timings = time_interleaved(
+            {
+                "prefill": lambda: first_token_prefill(current["ids"]),
+                "inject": lambda: first_token_injected(
+                    plain, current["header"], current["fact_ids"], current["tail"]
+                ),
+            },
+            rounds,
+            warmup=1,
+            on_round=next_question,
+        )
+        medians = {side: statistics.median(s) for side, s in timings.seconds.items()}
+        return medians, statistics.median(current["lengths"])
+
+    ttft: dict[int, dict[str, float]] = {}
+    prompt_tokens: dict[int, float] = {}
+    for k in ks:
+        ttft[k], prompt_tokens[k] = time_k(k)
+        log(
+            f"k={k}: {prompt_tokens[k]:.0f}-token prompts, TTFT prefill "
+            f"{ttft[k]['prefill'] * 1e3:.0f} ms, injected {ttft[k]['inject'] * 1e3:.0f} ms"
+        )
+    figures: dict[str, Figure] = {}
+    for k in ks:
+        figures[f"memory.ttft_speedup.k{k}"] = Figure(
+            ttft[k]["prefill"] / ttft[k]["inject"],
+            "ratio",
+            f"time to first token with {k} retrieved facts: prefilling the prompt's text ÷ the "
+            "facts' stored K/V injected (header and question prefilled either way)",
+            (">=", 4.8) if k == 50 else None,
+        )
+    figures["memory.ttft_flatness"] = Figure(
+        ttft[max(ks)]["inject"] / ttft[min(ks)]["inject"],
+        "ratio",
+        f"injected time to first token at k = {max(ks)} ÷ at k = {min(ks)}",
+        ("<=", 1.2),
+    )
+
+    # ---------------------------------------------------------------- accuracy
+    log(f"accuracy: {len(questions)} questions, k = {accuracy_k}, {ANSWER_TOKENS} answer tokens")
+    answers: dict[str, dict[str, str]] = {
+        "prefill": {},
+        "inject_w0": {},
+        f"inject_w{CONTEXT_TURNS}": {},
+    }
+    for question in questions:
+        header, tail = prompt_parts(tokenizer, question.text)
+        fact_ids = plain.retrieve(question.text, accuracy_k)
+        ids = torch.tensor([plain.prompt_ids(header, fact_ids, tail)])
+        runs = {"prefill": (ids, None)}
+        for w in (0, CONTEXT_TURNS):
+            cache, injected_ids = memories[w].build_cache(header, fact_ids, tail)
+            runs[f"inject_w{w}"] = (injected_ids, cache)
+        for side, (input_ids, cache) in runs.items():
+            with warnings.catch_warnings(), torch.inference_mode():
+                warnings.simplefilter("ignore", FutureWarning)
+                out = model.generate(
+                    input_ids,
+                    past_key_values=cache,
+                    max_new_tokens=ANSWER_TOKENS,
+                    do_sample=False,
+                    pad_token_id=tokenizer.eos_token_id,
+                )
+            answers[side][question.id] = tokenizer.decode(
+                out[0, input_ids.shape[1] :], skip_special_tokens=True
+            )
+    scores = {side: accuracy(predicted, questions) for side, predicted in answers.items()}
+    for side, score in scores.items():
+        figures[f"memory.accuracy.{side}"] = Figure(
+            score["overall"],
+            "fraction",
+            f"questions answered correctly ({side.replace('_', ', ')}: "
+            + ("the facts' text prefilled" if side == "prefill" else "the facts' K/V injected")
+            + f"), k = {accuracy_k} retrieved facts, normalised match",
+        )
+    gap = scores["prefill"]["overall"] - scores[f"inject_w{CONTEXT_TURNS}"]["overall"]
+    figures["memory.accuracy_gap.inject_w5"] = Figure(
+        gap,
+        "fraction",
+        f"accuracy of prefill minus injection with w = {CONTEXT_TURNS} (InferScale: within 3 points)",
+        ("<=", 0.03),
+    )
+    log("accuracy: " + ", ".join(f"{s} {v['overall']:.3f}" for s, v in scores.items()))
+    workload = {
+        "model": MODEL_NAME,
+        "dtype": "float32",
+        "device": "cpu",
+        "attention": "sdpa",
+        "torch_threads": torch.get_num_threads(),
+        "embedder": embedder.name,
+        "facts": len(facts),
+        "questions": len(questions),
+        "ks": list(ks),
+        "rounds": rounds,
+        "prompt_tokens": prompt_tokens,
+        "ttft_seconds": ttft,
+        "accuracy_k": accuracy_k,
+        "answer_tokens": ANSWER_TOKENS,
+        "context_turns": CONTEXT_TURNS,
+        "accuracy_by_category": scores,
+        "answers": answers,
+    }
+    return Measured(
+        figures=figures,
+        workload=workload,
+        title="kvstack memory benchmark: fact KV injected instead of prefilled (InferScale)",
+        sections=[],
+    )
+
+
+def run_memory(
+    out_dir: str | Path, quick: bool = False, *, command: str | None = None, verbose: bool = False
+) -> dict[str, float]:
+    return run_suite(
+        NAME, measure, DEPENDS_ON, out_dir, quick=quick, command=command, verbose=verbose
+    )
+
+
+def readme_tables(results: dict) -> dict[str, str]:
+    """The README's memory table, from a results file."""
+    w = results["workload"]
+    names = sorted(results["figures"])
+    workload = (
+        f"Workload: {w['model']}, {w['dtype']} on {w['device']} ({w['attention']}, "
+        f"{w['torch_threads']} thread); {w['facts']} facts and {w['questions']} questions of "
+        f"`kvstack.bench.conversations` (seed 0), retrieved by {w['embedder']}; prompt tokens at "
+        + ", ".join(
+            f"k={k}: {format_value(float(v), 'tokens')}" for k, v in w["prompt_tokens"].items()
+        )
+        + f"; TTFT medians of {w['rounds']} interleaved rounds; accuracy with k = "
+        f"{w['accuracy_k']} retrieved facts and {w['answer_tokens']} greedy answer tokens."
+    )
+    return {"memory": figure_table(results, names) + "\n\n" + workload}
+
+
+__all__ = ["DEPENDS_ON", "NAME", "measure", "readme_tables", "run_memory"]

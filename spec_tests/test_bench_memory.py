@@ -1,0 +1,46 @@
+"""The memory benchmark's quick run on SmolLM2: every figure is there and finite, injection is
+faster than prefill, accuracy is a fraction, and the README table renders from what it
+measured."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvstack.bench.memory import measure, readme_tables
+
+
+@pytest.fixture(scope="module")
+def quick_run():
+    return measure(True, lambda message: None)
+
+
+def test_the_quick_run_measures_every_figure(quick_run):
+    figures = quick_run.figures
+    assert set(figures) == {
+        "memory.ttft_speedup.k2",
+        "memory.ttft_speedup.k4",
+        "memory.ttft_flatness",
+        "memory.accuracy.prefill",
+        "memory.accuracy.inject_w0",
+        "memory.accuracy.inject_w5",
+        "memory.accuracy_gap.inject_w5",
+    }
+    assert all(math.isfinite(f.value) for f in figures.values())
+    for side in ("prefill", "inject_w0", "inject_w5"):
+        assert 0 <= figures[f"memory.accuracy.{side}"].value <= 1
+    workload = quick_run.workload
+    assert workload["questions"] == 6 and workload["facts"] == 24
+    # More facts, longer prompts; every question got an answer on every side.
+    assert workload["prompt_tokens"][4] > workload["prompt_tokens"][2]
+    assert all(len(answers) == 6 for answers in workload["answers"].values())
+
+
+def test_the_readme_table_renders_from_the_results(quick_run):
+    results = {
+        "figures": {name: f.record() for name, f in quick_run.figures.items()},
+        "workload": quick_run.workload,
+    }
+    table = readme_tables(results)["memory"]
+    assert "`memory.ttft_speedup.k4`" in table and "k=2:" in table
