@@ -9,6 +9,9 @@
     kvstack ops                              the op registry: which backends run here, or why not
     kvstack calibrate --ratio R --out FILE [--model-path M] [--samples N] ...
                                              per-KV-head budgets from pilot samples (Tangram)
+    kvstack memory [--conversation FILE] [--questions N] [-k K] [--store DIR] ...
+                                             a fact memory: answers with the facts' K/V
+                                             injected, TTFT against prefilling their text
     kvstack demo [--policy P] [--budget N | --ratio R] [--quick] ...
                                              one long prompt through DynamicCache, PagedCache and
                                              TokenTableCache on SmolLM2: memory and speed table
@@ -103,6 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_calibrate_parser(commands)
 
     _add_demo_parser(commands)
+    _add_memory_parser(commands)
     return parser
 
 
@@ -207,6 +211,61 @@ def _run_demo(args: argparse.Namespace) -> int:
     except InvalidArgumentError as error:
         args.demo_parser.error(str(error))  # exits with status 2
     run_demo(options)
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text}")
+    return value
+
+
+def _add_memory_parser(commands: Any) -> None:
+    memory = commands.add_parser(
+        "memory",
+        help="a fact memory from a conversation file: answers, and TTFT injected vs prefilled",
+        description="Builds a FactMemory from a conversation file (JSON: sessions with turns, "
+        "the facts they state, questions; default: kvstack's generated evaluation set), answers "
+        "questions with the retrieved facts' K/V injected, and prints each question's time to "
+        "first token injected and with the facts' text prefilled (SmolLM2-135M-Instruct).",
+    )
+    memory.add_argument("--conversation", type=Path, help="the conversation file (JSON)")
+    memory.add_argument(
+        "--write-example",
+        type=Path,
+        metavar="FILE",
+        help="write the generated evaluation set as a conversation file and exit",
+    )
+    memory.add_argument("--questions", type=_positive_int, default=10, help="(%(default)s)")
+    memory.add_argument(
+        "-k", type=_positive_int, default=5, help="facts retrieved per question (%(default)s)"
+    )
+    memory.add_argument(
+        "--context-turns",
+        type=int,
+        default=5,
+        help="w: turns before a fact it is encoded after (%(default)s)",
+    )
+    memory.add_argument(
+        "--store", type=Path, help="directory of a saved memory: reopened, or written after build"
+    )
+
+
+def _run_memory(args: argparse.Namespace) -> int:
+    from kvstack.memory_demo import run_memory_demo, write_example
+
+    if args.write_example is not None:
+        write_example(args.write_example)
+        print(f"wrote {args.write_example}")
+        return 0
+    run_memory_demo(
+        args.conversation,
+        questions=args.questions,
+        k=args.k,
+        context_turns=args.context_turns,
+        store=args.store,
+    )
     return 0
 
 
@@ -328,6 +387,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_demo(args)
     if args.command == "calibrate":
         return _run_calibrate(args)
+    if args.command == "memory":
+        return _run_memory(args)
     if args.command == "figures":
         from kvstack.bench.figures import main as figures_main
 

@@ -11,7 +11,9 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 def python_blocks() -> list[str]:
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    assert len(blocks) == 4, "README.md should have the HF, serving, tiers and core examples"
+    assert len(blocks) == 5, (
+        "README.md should have the HF, serving, tiers, fact memory and core examples"
+    )
     return blocks
 
 
@@ -65,9 +67,22 @@ def test_readme_tiers_example_saves_and_a_new_process_resumes(tmp_path):
     assert result.stdout.strip()  # the second turn's answer
 
 
-def test_readme_example_runs_and_its_comments_hold():
+def test_readme_fact_memory_example_runs_and_its_comments_hold(capsys):
     namespace: dict = {}
     exec(compile(python_blocks()[3], str(README), "exec"), namespace)
+    memory, cache, ids = namespace["memory"], namespace["cache"], namespace["ids"]
+    assert namespace["fact_ids"] == ["f0"]  # the comment's retrieval
+    first = memory.facts["f0"]
+    assert first.context_tokens == sum(len(memory.tokens(t)) for t in namespace["turns"])
+    # The header and the fact are in the cache, so generate prefilled only the question.
+    question = len(memory.tokenizer(namespace["tail"], add_special_tokens=False).input_ids)
+    assert ids.shape[1] - question <= cache.get_seq_length()
+    assert capsys.readouterr().out.strip()  # an answer was printed
+
+
+def test_readme_example_runs_and_its_comments_hold():
+    namespace: dict = {}
+    exec(compile(python_blocks()[4], str(README), "exec"), namespace)
     table, pool, out = namespace["table"], namespace["pool"], namespace["out"]
     assert len(table.blocks) == 4 and table.num_live == 50
     assert pool.num_free_blocks == 64 - 4
