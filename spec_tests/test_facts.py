@@ -282,3 +282,62 @@ def test_a_model_with_sliding_window_layers_is_refused():
     )
     with pytest.raises(KVStackError, match="full attention layers only"):
         FactMemory(MistralForCausalLM(config), ByteTokenizer(), embedder=word_embedder)
+
+
+# --------------------------------------------------------------------------- the arena
+def test_fact_pages_live_in_the_arena_and_requests_on_it_share_its_budget():
+    from kvstack.arena import KVArena
+    from kvstack.hf import PagedCache
+
+    arena = KVArena("4MiB")
+    mem = memory(arena=arena)
+    ids = mem.add_many(FACTS)
+    tokens = sum(len(mem.facts[f].token_ids) for f in ids)
+    per_token = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads of 16 dims, fp32
+    assert mem.bytes_held == tokens * per_token == arena.bytes_used
+    before = {f: [t.clone() for t in mem.kv(f)] for f in ids}
+    # Two requests retrieve the same facts: each injects into its own cache on the same arena,
+    # reading the one stored copy.
+    caches = [PagedCache(tiny_model().config, arena=arena) for _ in range(2)]
+    for cache in caches:
+        mem.build_cache("Notes:\n", ids[:2], "Who? ", cache=cache)
+    assert mem.bytes_held == tokens * per_token < arena.bytes_used
+    for cache in caches:
+        cache.release()
+    assert arena.bytes_used == mem.bytes_held
+    arena.compact()  # the pages may move; the facts read the same
+    for f in ids:
+        assert all(torch.equal(a, b) for a, b in zip(mem.kv(f), before[f], strict=True))
+    mem.release()
+    assert arena.bytes_used == 0
+
+
+def test_a_full_arena_raises_and_the_memory_is_unchanged():
+    from kvstack.arena import KVArena
+    from kvstack.errors import ArenaExhausted
+
+    arena = KVArena(40_000)  # 78 tokens of fact K/V at 512 bytes a token: one fact, not four
+    mem = memory(arena=arena)
+    mem.add(FACTS[1])
+    used = arena.bytes_used
+    with pytest.raises(ArenaExhausted):
+        mem.add_many(FACTS)  # the first pages fit, the rest do not: none is kept
+    assert len(mem) == 1 and arena.bytes_used == used == mem.bytes_held
+    with pytest.raises(InvalidArgumentError, match="arena holds torch.float16"):
+        memory(arena=KVArena("1MiB", dtype=torch.float16))
+
+
+def test_a_saved_memory_releases_its_pages_and_reads_them_back_on_use(tmp_path):
+    mem = memory(path=tmp_path)
+    ids = mem.add_many(FACTS)
+    mem.save()
+    before = [t.clone() for t in mem.kv(ids[2])]
+    mem.release()
+    assert mem.bytes_held == 0
+    assert all(torch.equal(a, b) for a, b in zip(mem.kv(ids[2]), before, strict=True))
+    assert mem.bytes_held == 2 * before[0].numel() * 4  # only that fact came back
+    unsaved = memory()
+    unsaved.add(FACTS[0])
+    unsaved.release()
+    with pytest.raises(KVStackError, match="released them unsaved"):
+        unsaved.kv("f0")

@@ -17,6 +17,10 @@ re-rotating them to the positions the assembled prompt gives them. Both rotation
 model's own rotary embedding, so this is exact for default, linear, llama3 and yarn RoPE (any
 whose frequencies do not depend on the sequence length). Values carry no position.
 
+**Storage.** Each fact's K/V is one page of a ``KVArena`` (the memory's own, growing in
+segments, or one shared with the caches that serve the requests): stored once, read by every
+prompt that retrieves the fact, and counted in the arena's real bytes (``bytes_held``).
+
 **The assembled prompt** is token ids: ``header`` + each fact's tokens + ``question``, where a
 fact's tokens (and a context turn's) are its text plus a newline, tokenized alone. The same ids
 prefilled as text are the baseline (``prompt_ids``); with every fact encoded after everything
@@ -24,7 +28,7 @@ before it (w covering it all), injection reproduces that prefill up to float rou
 
 Models: decoder-only with full attention in every layer and a Hugging Face rotary embedding
 (Llama, Qwen2/3, Mistral without a window, SmolLM2). Caches: ``DynamicCache`` and kvstack's
-lossless ``PagedCache``.
+lossless ``PagedCache`` (on the memory's arena or any other).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvstack import ops
+from kvstack.arena import KVArena, Page
 from kvstack.errors import InvalidArgumentError, KVStackError
 from kvstack.facts import storage
 from kvstack.facts.embedding import MiniLMEmbedder, cosine_top_k, embed
@@ -50,7 +55,7 @@ class Fact:
     id: str
     text: str
     token_ids: tuple[int, ...]  # its tokens in an assembled prompt: text + newline, alone
-    context_tokens: int  # tokens of the turns it was encoded after
+    context_tokens: int  # tokens it was encoded after (the prefix and its turns)
 
 
 def _rotary(model: Any) -> torch.nn.Module:
@@ -96,7 +101,12 @@ class FactMemory:
 
     ``embedder``: a callable from texts to vectors (default: all-MiniLM-L6-v2). ``path``: a
     directory; a store already there is reopened (its model and embedder checked), and
-    ``save()`` writes there. ``context_turns``: w, the turns each fact is encoded after."""
+    ``save()`` writes there. ``context_turns``: w, the turns each fact is encoded after.
+    ``prefix``: text every fact is encoded after, before its turns (the prompts' header, say),
+    whose K/V are not kept either: with it no fact token sits at position 0, where a model
+    puts its attention sink. ``arena``: where the facts' K/V pages live (default: a private
+    arena that grows and shrinks in segments); one page per fact, read by every prompt that
+    retrieves it."""
 
     def __init__(
         self,
@@ -106,6 +116,8 @@ class FactMemory:
         path: str | os.PathLike | None = None,
         *,
         context_turns: int = 0,
+        prefix: str = "",
+        arena: KVArena | None = None,
     ) -> None:
         if (
             not isinstance(context_turns, int)
@@ -124,13 +136,29 @@ class FactMemory:
         self.rotary = _rotary(model)
         self.identity = model_identity(model)
         self.context_turns = context_turns
+        if not isinstance(prefix, str):
+            raise InvalidArgumentError(f"prefix={prefix!r}; expected a string")
+        self.prefix = prefix
+        self.prefix_ids = (
+            list(tokenizer(prefix, add_special_tokens=False).input_ids) if prefix else []
+        )
         self.max_positions = getattr(
             model.config.get_text_config(decoder=True), "max_position_embeddings", None
         )
         self.embedder = embedder if embedder is not None else MiniLMEmbedder()
         self.embedder_name = getattr(self.embedder, "name", type(self.embedder).__name__)
+        dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
+        if arena is None:
+            arena = KVArena.private(dtype=dtype, device=device)
+        if (arena.dtype, arena.device) != (dtype, device):
+            raise InvalidArgumentError(
+                f"arena holds {arena.dtype} on {arena.device}, but the model computes {dtype} on "
+                f"{device}; give an arena of the model's dtype and device"
+            )
+        self.arena = arena
         self.facts: dict[str, Fact] = {}
-        self._kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (keys at 0, values)
+        # A fact's K/V: one arena page, keys at position 0 then values, each [L, T, H_kv, D].
+        self._pages: dict[str, Page] = {}
         self._vectors = torch.zeros(0, 0)  # [N, dim], rows in the order of self.facts
         self._stored: Any = None  # the reopened store's tensors (read lazily)
         self.path = None if path is None else storage.check_directory(path)
@@ -150,7 +178,7 @@ class FactMemory:
         before it, oldest first); returns its id."""
         return self.add_many([fact], [context])[0]
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def add_many(
         self, facts: Sequence[str], contexts: Sequence[Sequence[str]] | None = None
     ) -> list[str]:
@@ -176,12 +204,12 @@ class FactMemory:
                 f"embedder gives {vectors.shape[1]}-d vectors; this memory holds "
                 f"{self._vectors.shape[1]}-d ones"
             )
-        ids = []
-        for fact, (token_ids, context_tokens, keys, values) in zip(facts, encoded, strict=True):
-            fact_id = f"f{len(self.facts)}"
+        ids = [f"f{len(self.facts) + i}" for i in range(len(facts))]
+        self._store_pages({i: (k, v) for i, (_, _, k, v) in zip(ids, encoded, strict=True)})
+        for fact_id, fact, (token_ids, context_tokens, _, _) in zip(
+            ids, facts, encoded, strict=True
+        ):
             self.facts[fact_id] = Fact(fact_id, fact, tuple(token_ids), context_tokens)
-            self._kv[fact_id] = (keys, values)
-            ids.append(fact_id)
         self._vectors = vectors if not len(self._vectors) else torch.cat([self._vectors, vectors])
         return ids
 
@@ -196,9 +224,14 @@ class FactMemory:
         turns = context[max(0, len(context) - self.context_turns) :] if self.context_turns else []
         context_ids = [t for turn in turns for t in self.tokens(turn)]
         if self.max_positions is not None:  # the oldest context goes first when it would not fit
-            context_ids = context_ids[
-                max(0, len(context_ids) + len(fact_ids) - self.max_positions) :
-            ]
+            room = self.max_positions - len(fact_ids) - len(self.prefix_ids)
+            context_ids = context_ids[max(0, len(context_ids) - max(0, room)) :]
+            if room < 0:
+                raise InvalidArgumentError(
+                    f"prefix ({len(self.prefix_ids)} tokens) and fact ({len(fact_ids)}) exceed "
+                    f"the model's context of {self.max_positions}"
+                )
+        context_ids = self.prefix_ids + context_ids
         device = next(self.model.parameters()).device
         ids = torch.tensor([context_ids + fact_ids], device=device)
         cache = DynamicCache(config=self.model.config)
@@ -235,17 +268,67 @@ class FactMemory:
         question_ids = list(self.tokenizer(question, add_special_tokens=False).input_ids)
         return header_ids + [t for f in facts for t in f.token_ids] + question_ids
 
-    def kv(self, fact_id: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """A fact's stored K/V: keys rotated to position 0 and values, each [L, T, H_kv, D]."""
-        self._facts([fact_id])
-        if fact_id not in self._kv:  # from the reopened store, read on first use
-            self._kv[fact_id] = (
-                self._stored.get_tensor(f"{fact_id}.k"),
-                self._stored.get_tensor(f"{fact_id}.v"),
-            )
-        return self._kv[fact_id]
+    # ------------------------------------------------------------------ the arena
+    def _store_pages(self, kv: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """A page for each fact's K/V, filled; all or none (a full arena frees what it took)."""
+        taken: dict[str, Page] = {}
+        try:
+            # Outside inference mode: a growing arena's new buffer must be a normal tensor,
+            # which caches on the arena may write to later.
+            with torch.inference_mode(False):
+                for fact_id, (keys, _) in kv.items():
+                    (taken[fact_id],) = self.arena.allocate(self, "kv", 2 * keys.numel())
+        except BaseException:
+            self.arena.free(taken.values())
+            raise
+        for fact_id, (keys, values) in kv.items():  # no allocation from here: offsets hold
+            page = taken[fact_id]
+            flat = self.arena.buffer[page.offset : page.end]  # [2 * L * T * H_kv * D]
+            flat[: keys.numel()].copy_(keys.reshape(-1))
+            flat[keys.numel() :].copy_(values.reshape(-1))
+        self._pages.update(taken)
 
-    @torch.inference_mode()
+    def pages_moved(self, moves: dict[Page, int]) -> None:
+        """The arena moved pages (compaction) or replaced its buffer: nothing to do, a fact's
+        views are taken from its page's offset when they are used."""
+
+    def release(self) -> None:
+        """Return every fact page to the arena (the memory keeps its facts' text and
+        embeddings; a reopened store reads K/V back on use, a memory that was never saved
+        cannot inject after this)."""
+        self.arena.free(self._pages.values())
+        self._pages = {}
+
+    @property
+    def bytes_held(self) -> int:
+        """Bytes of the facts' K/V pages in the arena."""
+        return sum(page.size for page in self._pages.values()) * self.arena.itemsize
+
+    def _resident(self, fact_ids: Sequence[str]) -> None:
+        """Every fact of ``fact_ids`` has its page, read from the reopened store if needed."""
+        missing = [f for f in dict.fromkeys(fact_ids) if f not in self._pages]
+        if missing and self._stored is None:
+            raise KVStackError(f"facts {missing} have no K/V: the memory released them unsaved")
+        if missing:
+            self._store_pages(
+                {
+                    f: (self._stored.get_tensor(f"{f}.k"), self._stored.get_tensor(f"{f}.v"))
+                    for f in missing
+                }
+            )
+
+    def kv(self, fact_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A fact's stored K/V: keys rotated to position 0 and values, each [L, T, H_kv, D];
+        views of its arena page, valid until the arena next allocates or compacts."""
+        fact = self._facts([fact_id])[0]
+        self._resident([fact_id])
+        page = self._pages[fact_id]
+        shape = (self.identity["layers"], len(fact.token_ids), self.identity["kv_heads"], -1)
+        flat = self.arena.buffer[page.offset : page.end]
+        half = page.size // 2
+        return flat[:half].view(shape), flat[half:].view(shape)
+
+    @torch.no_grad()
     def inject(self, cache: Any, fact_ids: Sequence[str], position: int | None = None) -> int:
         """Write the facts' K/V into ``cache``, one after another from ``position`` (default:
         the tokens the cache holds, which it must equal), keys rotated at those positions.
@@ -265,6 +348,7 @@ class FactMemory:
         if not facts:
             return position
         device = next(self.model.parameters()).device
+        self._resident([f.id for f in facts])  # any read from the store first: views then hold
         stored = [self.kv(f.id) for f in facts]
         keys = torch.cat([k for k, _ in stored], dim=1).to(device)  # [L, T, H_kv, D]
         values = torch.cat([v for _, v in stored], dim=1).to(device)
@@ -282,7 +366,7 @@ class FactMemory:
         _forget_kvstack_step()
         return position + count
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def build_cache(
         self, header: str, fact_ids: Sequence[str], question: str, cache: Any = None
     ) -> tuple[Any, torch.Tensor]:
@@ -314,6 +398,7 @@ class FactMemory:
         if self.path is None:
             raise InvalidArgumentError("this memory has no path; build it with path=")
         tensors = {"vectors": self._vectors}
+        self._resident(list(self.facts))
         for fact_id in self.facts:
             keys, values = self.kv(fact_id)
             tensors[f"{fact_id}.k"], tensors[f"{fact_id}.v"] = keys, values
@@ -321,6 +406,7 @@ class FactMemory:
             "model": self.identity,
             "embedder": {"name": self.embedder_name, "dim": int(self._vectors.shape[1])},
             "context_turns": self.context_turns,
+            "prefix": self.prefix,
             "facts": [
                 {
                     "id": f.id,
@@ -332,6 +418,7 @@ class FactMemory:
             ],
         }
         storage.write_store(self.path, index, tensors)
+        self._stored = storage.open_tensors(self.path, storage.read_index(self.path))
 
     def _open(self) -> None:
         index = storage.read_index(self.path)
@@ -339,6 +426,11 @@ class FactMemory:
             raise InvalidArgumentError(
                 f"the fact store in {str(self.path)!r} was built for another model: "
                 f"{index['model']}; this model is {self.identity}"
+            )
+        if index.get("prefix", "") != self.prefix:
+            raise InvalidArgumentError(
+                f"the fact store in {str(self.path)!r} encoded its facts after the prefix "
+                f"{index.get('prefix', '')!r}; this memory's prefix is {self.prefix!r}"
             )
         stored = storage.open_tensors(self.path, index)
         vectors = stored.get_tensor("vectors")

@@ -78,7 +78,9 @@ def write_store(path: Path, index: dict[str, Any], tensors: dict[str, torch.Tens
     previous = read_index(path) if has_store(path) else None
     serial = (previous["serial"] + 1) if previous else 0
     name = f"facts.{serial}.safetensors"
-    tensors = {key: t.detach().contiguous().cpu() for key, t in tensors.items()}
+    # Copies: the caller's tensors may be views of one buffer (an arena), which safetensors
+    # refuses to write.
+    tensors = {key: t.detach().cpu().clone() for key, t in tensors.items()}
     _atomic_write(path / name, lambda tmp: save_file(tensors, str(tmp)))
     record = dict(index, version=VERSION, serial=serial, tensors=name, sha256=_sha256(path / name))
     text = json.dumps(record, indent=1)
