@@ -365,17 +365,24 @@ def test_a_hybrid_model_saves_and_resumes_its_recurrent_state_with_the_kv(name, 
     resumed.close()
 
 
-def test_a_saved_kv_without_its_state_is_a_miss_and_is_recomputed_not_continued(tmp_path):
-    """A state page that is gone or damaged makes the whole saved conversation a miss: resume
-    warns, deletes it and returns an empty cache, so generate recomputes every token (the same
-    tokens); continuing the K/V from zeroed states would be silently wrong."""
+def saved_hybrid_conversation(path):
+    """A tiny Jamba's 40-token prompt and 6 greedy tokens, saved under ``path``: (model, prompt
+    ids, the budgets it was saved with, the saved token ids)."""
     model = tiny_hybrid("jamba")
     ids = torch.randint(2, 120, (1, 40), generator=torch.Generator().manual_seed(3))
-    budgets = hybrid_budgets(model.config, tmp_path / "kv")
+    budgets = hybrid_budgets(model.config, path)
     cache = TieredCache(model.config, **budgets)
     first = greedy(model, ids, cache, 6)
     cache.save(first)
     cache.close()
+    return model, ids, budgets, first
+
+
+def test_a_saved_kv_without_its_state_is_a_miss_and_is_recomputed_not_continued(tmp_path):
+    """A state page that is gone or damaged makes the whole saved conversation a miss: resume
+    warns, deletes it and returns an empty cache, so generate recomputes every token (the same
+    tokens); continuing the K/V from zeroed states would be silently wrong."""
+    model, ids, budgets, first = saved_hybrid_conversation(tmp_path / "kv")
     state_pages = sorted((tmp_path / "kv").glob("L*.state.*.page"))
     assert state_pages
     for damage in ("corrupt", "missing"):
@@ -486,13 +493,7 @@ def test_resume_refuses_an_unknown_damage_mode(tiny_model, tmp_path):
 def test_a_hybrid_with_a_damaged_kv_page_is_a_miss_in_lossless_mode(tmp_path):
     """Its recurrent state belongs to the end of the saved tokens and cannot be rewound to the
     intact prefix: the whole conversation is recomputed."""
-    model = tiny_hybrid("jamba")
-    ids = torch.randint(2, 120, (1, 40), generator=torch.Generator().manual_seed(3))
-    budgets = hybrid_budgets(model.config, tmp_path / "kv")
-    cache = TieredCache(model.config, **budgets)
-    first = greedy(model, ids, cache, 6)
-    cache.save(first)
-    cache.close()
+    model, ids, budgets, first = saved_hybrid_conversation(tmp_path / "kv")
     page = sorted((tmp_path / "kv").glob("L*.B1.page"))[0]
     data = bytearray(page.read_bytes())
     data[-7] ^= 0x08
