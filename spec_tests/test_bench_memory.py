@@ -25,10 +25,11 @@ def test_the_quick_run_measures_every_figure(quick_run):
         "memory.accuracy.prefill",
         "memory.accuracy.inject_w0",
         "memory.accuracy.inject_w5",
+        "memory.accuracy.inject_w0_alone",
         "memory.accuracy_gap.inject_w5",
     }
     assert all(math.isfinite(f.value) for f in figures.values())
-    for side in ("prefill", "inject_w0", "inject_w5"):
+    for side in ("prefill", "inject_w0", "inject_w5", "inject_w0_alone"):
         assert 0 <= figures[f"memory.accuracy.{side}"].value <= 1
     workload = quick_run.workload
     assert workload["questions"] == 6 and workload["facts"] == 24
