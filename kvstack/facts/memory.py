@@ -160,6 +160,7 @@ class FactMemory:
         # A fact's K/V: one arena page, keys at position 0 then values, each [L, T, H_kv, D].
         self._pages: dict[str, Page] = {}
         self._vectors = torch.zeros(0, 0)  # [N, dim], rows in the order of self.facts
+        self._prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # computed on save
         self._stored: Any = None  # the reopened store's tensors (read lazily)
         self.path = None if path is None else storage.check_directory(path)
         if self.path is not None and storage.has_store(self.path):
@@ -212,6 +213,26 @@ class FactMemory:
             self.facts[fact_id] = Fact(fact_id, fact, tuple(token_ids), context_tokens)
         self._vectors = vectors if not len(self._vectors) else torch.cat([self._vectors, vectors])
         return ids
+
+    @torch.no_grad()
+    def prefix_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefix's own K/V (keys at position 0, as the facts'; [L, T, H_kv, D] each):
+        saved with the facts, for a server whose prompts must start with cached tokens (vLLM's
+        connector loads the prefix and the facts as one cached run)."""
+        if self._prefix_kv is None:
+            device = next(self.model.parameters()).device
+            cache = DynamicCache(config=self.model.config)
+            self.model(torch.tensor([self.prefix_ids], device=device), past_key_values=cache)
+            count = len(self.prefix_ids)
+            keys = torch.cat([layer.keys[0] for layer in cache.layers]).transpose(0, 1)
+            positions = torch.arange(count, device=device)
+            at_zero = ops.get("rerotate_keys")(keys.contiguous(), -positions, self.rotary)
+            layers = len(cache.layers)
+            # [T, L * H_kv, D] -> [L, T, H_kv, D]
+            at_zero = at_zero.reshape(count, layers, -1, at_zero.shape[-1]).transpose(0, 1)
+            values = torch.stack([layer.values[0].transpose(0, 1) for layer in cache.layers])
+            self._prefix_kv = (at_zero.contiguous(), values.contiguous())
+        return self._prefix_kv
 
     def _encode(self, fact: str, context: list[str]):
         """One forward pass over [the last w turns, the fact]; the fact's K/V, keys at 0."""
@@ -398,6 +419,8 @@ class FactMemory:
         if self.path is None:
             raise InvalidArgumentError("this memory has no path; build it with path=")
         tensors = {"vectors": self._vectors}
+        if self.prefix_ids:
+            tensors["prefix.k"], tensors["prefix.v"] = self.prefix_kv()
         self._resident(list(self.facts))
         for fact_id in self.facts:
             keys, values = self.kv(fact_id)
@@ -407,6 +430,7 @@ class FactMemory:
             "embedder": {"name": self.embedder_name, "dim": int(self._vectors.shape[1])},
             "context_turns": self.context_turns,
             "prefix": self.prefix,
+            "prefix_ids": self.prefix_ids,
             "facts": [
                 {
                     "id": f.id,
@@ -445,6 +469,8 @@ class FactMemory:
             for f in index["facts"]
         }
         self._vectors, self._stored = vectors, stored
+        if "prefix.k" in stored.keys():
+            self._prefix_kv = (stored.get_tensor("prefix.k"), stored.get_tensor("prefix.v"))
 
 
 def _forget_kvstack_step() -> None:

@@ -1,0 +1,243 @@
+"""``FactConnector``: a saved ``FactMemory`` served inside vLLM through its KV-connector
+interface (``KVConnectorBase_V1``), without modifying the engine (InferScale).
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    llm = LLM(model=DIR, enable_prefix_caching=False, kv_transfer_config=KVTransferConfig(
+        kv_connector="FactConnector", kv_connector_module_path="kvstack.vllm.connector",
+        kv_role="kv_both"))
+    ids = memory.prompt_ids(memory.prefix, fact_ids, tail)     # header = the memory's prefix
+    params = SamplingParams(max_tokens=20, extra_args={
+        "kv_transfer_params": transfer_params(memory, fact_ids)})
+    llm.generate([{"prompt_token_ids": ids}], params)
+
+A request names a saved store and the facts its prompt holds, in order, right after the store's
+prefix (the header). The scheduler side checks the prompt's tokens against the store's (the
+prefix's and each fact's), and reports that many tokens as computed (all but the prompt's
+last: vLLM computes at least one), so vLLM skips their prefill. The worker side reads the
+prefix's and facts' K/V from the store (keys kept at position 0), re-rotates the keys to the
+tokens' positions with the model's RoPE (the registered ``rerotate_keys``), and writes them
+into the request's blocks before the forward pass: the load is synchronous.
+
+vLLM's CPU backend only, whose per-layer cache is [blocks, kv_heads, block_size, 2 * head_dim]:
+per block and head, keys transposed ([head_dim, block_size]) then values ([block_size,
+head_dim]). Prefix caching must be off (``enable_prefix_caching=False``): it would index the
+loaded blocks under the prompt's tokens and hand them to any later prompt with those tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvstack import ops
+from kvstack.facts import storage
+
+logger = logging.getLogger(__name__)
+PARAMS_KEY = "kvstack_facts"  # in kv_transfer_params: {"store": path, "facts": [ids]}
+
+
+def transfer_params(memory: Any, fact_ids: list[str]) -> dict[str, Any]:
+    """The request's ``kv_transfer_params`` for a prompt of ``memory.prompt_ids(memory.prefix,
+    fact_ids, ...)``; the memory must be saved (its ``path``)."""
+    if memory.path is None:
+        raise ValueError("the memory has no path: save it with FactMemory(path=...).save()")
+    return {PARAMS_KEY: {"store": str(memory.path), "facts": list(fact_ids)}}
+
+
+class SavedFacts:
+    """A saved fact store, read-only: the tokens and the K/V of its prefix and facts."""
+
+    def __init__(self, path: str) -> None:
+        self.index = storage.read_index(path)
+        self.tensors = storage.open_tensors(path, self.index)
+        self.token_ids = {f["id"]: list(f["token_ids"]) for f in self.index["facts"]}
+        self.prefix_ids = list(self.index.get("prefix_ids", []))
+
+    def covered_tokens(self, fact_ids: list[str], prompt: list[int]) -> int:
+        """How many tokens at the start of ``prompt`` are the prefix and then these facts, in
+        order, token for token; 0 when the prompt does not start that way."""
+        expected = list(self.prefix_ids)
+        for fact_id in fact_ids:
+            if fact_id not in self.token_ids:
+                return 0
+            expected += self.token_ids[fact_id]
+        return len(expected) if prompt[: len(expected)] == expected else 0
+
+    def segments(self, fact_ids: list[str]) -> list[tuple[str, int]]:
+        """(tensor name stem, tokens) of the prefix and each fact, in prompt order."""
+        parts = [("prefix", len(self.prefix_ids))] if self.prefix_ids else []
+        return parts + [(f, len(self.token_ids[f])) for f in fact_ids]
+
+    def kv(self, fact_ids: list[str], start: int, end: int, rotary: Any):
+        """Keys rotated at positions [start, end) and values, each [L, end - start, H_kv, D],
+        of the prompt's covered tokens."""
+        keys, values = [], []
+        for stem, _ in self.segments(fact_ids):
+            keys.append(self.tensors.get_tensor(f"{stem}.k"))  # [L, T, H_kv, D], at position 0
+            values.append(self.tensors.get_tensor(f"{stem}.v"))
+        keys = torch.cat(keys, dim=1)[:, start:end]
+        values = torch.cat(values, dim=1)[:, start:end]
+        layers, count, heads, head_dim = keys.shape
+        # [L, T, H_kv, D] -> [T, L * H_kv, D]: every layer and head turns by the same angle.
+        flat = keys.transpose(0, 1).reshape(count, layers * heads, head_dim)
+        rotated = ops.get("rerotate_keys")(flat, torch.arange(start, end), rotary)
+        return rotated.reshape(count, layers, heads, head_dim).transpose(0, 1), values
+
+
+@dataclass
+class FactLoad:
+    """One request's load: its facts' tokens [start, end) into its blocks."""
+
+    request_id: str
+    store: str
+    facts: list[str]
+    start: int
+    end: int
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class FactConnectorMetadata(KVConnectorMetadata):
+    loads: list[FactLoad] = field(default_factory=list)
+
+
+def _cpu_cache_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys [blocks, H, D, block_size], values [blocks, H, block_size, D]) of one layer's
+    CPU-backend cache [blocks, H, block_size, 2 * D]."""
+    blocks, heads, block_size, two_d = cache.shape
+    halves = cache.view(blocks, heads, 2, block_size * two_d // 2)  # [blocks, H, K|V, bs * D]
+    keys = halves[:, :, 0].view(blocks, heads, two_d // 2, block_size)  # keys transposed
+    values = halves[:, :, 1].view(blocks, heads, block_size, two_d // 2)
+    return keys, values
+
+
+def _layer_number(name: str) -> int:
+    found = re.search(r"layers\.(\d+)\.", name)
+    if found is None:
+        raise ValueError(f"cannot tell the layer of KV cache {name!r}")
+    return int(found.group(1))
+
+
+class FactConnector(KVConnectorBase_V1):
+    """See the module docstring."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.block_size = vllm_config.cache_config.block_size
+        self.hf_config = vllm_config.model_config.hf_config
+        self._stores: dict[str, SavedFacts] = {}
+        self._pending: dict[str, FactLoad] = {}  # scheduler: loads awaiting their blocks
+        self._caches: list[torch.Tensor] = []  # worker: the layers' caches, in layer order
+        self._rotary: Any = None
+
+    def _store(self, path: str) -> SavedFacts:
+        if path not in self._stores:
+            self._stores[path] = SavedFacts(path)
+        return self._stores[path]
+
+    # ------------------------------------------------------------------ scheduler side
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+        params = (request.kv_transfer_params or {}).get(PARAMS_KEY)
+        if not params:
+            return 0, False
+        try:
+            covered = self._store(params["store"]).covered_tokens(
+                list(params["facts"]), list(request.prompt_token_ids)
+            )
+        except Exception as error:  # a missing or damaged store: prefill as usual
+            logger.warning("kvstack facts for %s not loaded: %s", request.request_id, error)
+            return 0, False
+        if covered == 0:
+            logger.warning(
+                "kvstack facts for %s not loaded: the prompt does not start with the store's "
+                "prefix and the named facts",
+                request.request_id,
+            )
+        # vLLM computes at least the prompt's last token (it needs its logits).
+        covered = min(covered, len(request.prompt_token_ids) - 1)
+        return max(0, covered - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+        if num_external_tokens <= 0:
+            return
+        params = request.kv_transfer_params[PARAMS_KEY]
+        start = request.num_computed_tokens
+        self._pending[request.request_id] = FactLoad(
+            request.request_id,
+            params["store"],
+            list(params["facts"]),
+            start,
+            start + num_external_tokens,
+        )
+
+    def build_connector_meta(self, scheduler_output: Any) -> FactConnectorMetadata:
+        meta = FactConnectorMetadata()
+        for new in scheduler_output.scheduled_new_reqs:
+            load = self._pending.pop(new.req_id, None)
+            if load is not None:
+                load.block_ids = list(new.block_ids[0])
+                meta.loads.append(load)
+        return meta
+
+    def request_finished(self, request: Any, block_ids: list[int]):
+        self._pending.pop(request.request_id, None)
+        return False, None
+
+    # ------------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        by_layer = sorted(kv_caches.items(), key=lambda item: _layer_number(item[0]))
+        self._caches = [cache for _, cache in by_layer]
+        for cache in self._caches:
+            if cache.device.type != "cpu" or cache.dim() != 4:
+                raise NotImplementedError(
+                    f"FactConnector writes vLLM's CPU cache layout [blocks, kv_heads, "
+                    f"block_size, 2 * head_dim]; got {tuple(cache.shape)} on {cache.device}"
+                )
+
+    def _rotary_embedding(self) -> Any:
+        if self._rotary is None:
+            from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+            self._rotary = LlamaRotaryEmbedding(config=self.hf_config)
+        return self._rotary
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        for load in meta.loads:
+            keys, values = self._store(load.store).kv(
+                load.facts, load.start, load.end, self._rotary_embedding()
+            )
+            if keys.shape[0] != len(self._caches):
+                raise ValueError(
+                    f"the store holds {keys.shape[0]} layers; this model has {len(self._caches)}"
+                )
+            positions = torch.arange(load.start, load.end)
+            blocks = torch.tensor(load.block_ids)[positions // self.block_size]
+            offsets = positions % self.block_size
+            for layer, cache in enumerate(self._caches):
+                cache_keys, cache_values = _cpu_cache_views(cache)
+                cache_keys[blocks, :, :, offsets] = keys[layer].to(cache.dtype)  # [T, H, D]
+                cache_values[blocks, :, offsets] = values[layer].to(cache.dtype)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loaded whole in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any):
+        return  # facts are only loaded
+
+    def wait_for_save(self) -> None:
+        return
+
+
+__all__ = ["FactConnector", "SavedFacts", "transfer_params"]
