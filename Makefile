@@ -63,6 +63,7 @@ bench: install
 	OMP_NUM_THREADS=1 $(BIN)/kvstack bench kvpress --out bench_results/kvpress
 	OMP_NUM_THREADS=1 $(BIN)/kvstack bench tangram --out bench_results/tangram
 	OMP_NUM_THREADS=1 $(BIN)/kvstack bench tiers --out bench_results/tiers
+	$(MAKE) vllm-env
 	OMP_NUM_THREADS=1 $(BIN)/kvstack bench memory --out bench_results/memory
 	$(BIN)/kvstack figures
 

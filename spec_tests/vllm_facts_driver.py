@@ -16,7 +16,7 @@ def main(workdir: str) -> None:
 
     from kvstack.facts import FactMemory
     from kvstack.models import load_smollm2, smollm2_cache_dir
-    from kvstack.vllm.connector import transfer_params
+    from kvstack.vllm import transfer_params
 
     model, tokenizer = load_smollm2(progress=False)
     header = "<|im_start|>system\nAnswer from the notes.<|im_end|>\n<|im_start|>user\nNotes:\n"

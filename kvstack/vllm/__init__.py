@@ -6,5 +6,29 @@ vllm-env`` builds a venv with the CPU build of vLLM and kvstack installed in it)
   prefill. Select it with ``KVTransferConfig(kv_connector="FactConnector",
   kv_connector_module_path="kvstack.vllm.connector", kv_role="kv_both")``.
 
-Nothing here is imported by ``import kvstack``; importing ``kvstack.vllm.connector`` needs vLLM.
+* ``transfer_params``: what a request names for it (the saved store and its facts).
+
+``kvstack.vllm`` itself needs no vLLM; ``kvstack.vllm.connector`` does (vLLM imports it in its
+engine and worker processes).
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvstack.errors import InvalidArgumentError
+
+PARAMS_KEY = "kvstack_facts"  # in kv_transfer_params: {"store": path, "facts": [ids]}
+
+
+def transfer_params(memory: Any, fact_ids: list[str]) -> dict[str, Any]:
+    """A request's ``kv_transfer_params`` for a prompt of ``memory.prompt_ids(memory.prefix,
+    fact_ids, ...)``; the memory must be saved (its ``path``)."""
+    if memory.path is None:
+        raise InvalidArgumentError(
+            "memory has no path; build it with FactMemory(path=...) and save() it first"
+        )
+    return {PARAMS_KEY: {"store": str(memory.path), "facts": list(fact_ids)}}
+
+
+__all__ = ["PARAMS_KEY", "transfer_params"]

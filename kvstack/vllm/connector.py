@@ -9,7 +9,7 @@ interface (``KVConnectorBase_V1``), without modifying the engine (InferScale).
         kv_role="kv_both"))
     ids = memory.prompt_ids(memory.prefix, fact_ids, tail)     # header = the memory's prefix
     params = SamplingParams(max_tokens=20, extra_args={
-        "kv_transfer_params": transfer_params(memory, fact_ids)})
+        "kv_transfer_params": kvstack.vllm.transfer_params(memory, fact_ids)})
     llm.generate([{"prompt_token_ids": ids}], params)
 
 A request names a saved store and the facts its prompt holds, in order, right after the store's
@@ -42,17 +42,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvstack import ops
 from kvstack.facts import storage
+from kvstack.vllm import PARAMS_KEY
 
 logger = logging.getLogger(__name__)
-PARAMS_KEY = "kvstack_facts"  # in kv_transfer_params: {"store": path, "facts": [ids]}
-
-
-def transfer_params(memory: Any, fact_ids: list[str]) -> dict[str, Any]:
-    """The request's ``kv_transfer_params`` for a prompt of ``memory.prompt_ids(memory.prefix,
-    fact_ids, ...)``; the memory must be saved (its ``path``)."""
-    if memory.path is None:
-        raise ValueError("the memory has no path: save it with FactMemory(path=...).save()")
-    return {PARAMS_KEY: {"store": str(memory.path), "facts": list(fact_ids)}}
 
 
 class SavedFacts:
@@ -240,4 +232,4 @@ class FactConnector(KVConnectorBase_V1):
         return
 
 
-__all__ = ["FactConnector", "SavedFacts", "transfer_params"]
+__all__ = ["FactConnector", "SavedFacts"]
