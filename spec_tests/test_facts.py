@@ -364,3 +364,15 @@ def test_the_prefix_kv_is_the_headers_own_and_is_saved_with_the_facts(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(again.prefix_kv(), (keys, values), strict=True))
     with pytest.raises(InvalidArgumentError, match="encoded its facts after the prefix"):
         memory(path=tmp_path, prefix="Other:\n")
+
+
+def test_injection_into_an_evicting_cache_is_refused_and_leaves_it_empty():
+    from kvstack.hf import TokenTableCache
+    from kvstack.policies import H2O
+
+    mem = memory()
+    mem.add(FACTS[0])
+    cache = TokenTableCache(tiny_model().config, policy=H2O(), budget=32)
+    with pytest.raises(KVStackError, match="evicting TokenTableCache is not supported yet"):
+        mem.inject(cache, ["f0"])
+    assert cache.get_seq_length() == 0

@@ -82,6 +82,7 @@ def test_readme_fact_memory_example_runs_and_its_comments_hold(capsys):
     assert capsys.readouterr().out.strip()  # an answer was printed
 
 
+@pytest.mark.vllm
 def test_readme_vllm_example_serves_the_memory_through_the_connector(tmp_path):
     """Run with the vLLM venv's python, as the README says (skipped without that venv)."""
     import os
