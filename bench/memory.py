@@ -298,7 +298,7 @@ def _measure_vllm(
     """TTFT prefilled and through ``FactConnector`` inside vLLM, by the vLLM venv's python
     (``memory_vllm_worker.py``); None (and the figure left out) without that venv."""
     from kvstack.models import smollm2_cache_dir
-    from kvstack.vllm import transfer_params
+    from kvstack.vllm import cpu_environment, transfer_params
 
     python = Path(os.environ.get("KVSTACK_VLLM_PYTHON", VLLM_PYTHON))
     if not python.exists():
@@ -323,11 +323,7 @@ def _measure_vllm(
         )
     )
     log(f"vLLM: {rounds} rounds of k={k} prompts, prefilled and through FactConnector")
-    env = {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache; skips vLLM's RAM-fraction check
-        "VLLM_CPU_OMP_THREADS_BIND": "0",  # one core, as the rest of the benchmark
-    }
+    env = os.environ | cpu_environment("0")  # one core, as the rest of the benchmark
     done = subprocess.run(
         [str(python), str(VLLM_WORKER), str(job)],
         env=env,

@@ -23,23 +23,12 @@ import time
 def main(job_path: str) -> None:
     import torch
     import vllm
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm import SamplingParams
+
+    from kvstack.vllm import fact_engine
 
     job = json.loads(open(job_path).read())
-    llm = LLM(
-        model=job["model_dir"],
-        dtype="float32",
-        max_model_len=2048,
-        enforce_eager=True,
-        block_size=32,
-        enable_prefix_caching=False,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="FactConnector",
-            kv_connector_module_path="kvstack.vllm.connector",
-            kv_role="kv_both",
-        ),
-    )
+    llm = fact_engine(job["model_dir"])
 
     def first_token(ids: list[int], params: dict | None) -> tuple[float, int, int]:
         sampling = SamplingParams(

@@ -2,9 +2,9 @@
 
 Workload: SmolLM2-135M-Instruct on CPU, float32, one torch thread (the prefetcher's worker
 thread runs beside it: give the process two cores, or no fetch can overlap), sdpa attention
-through ``"kvstack_tiers"`` (which also scores a ``TieredCache``'s pages, in every tiered run and
-not for ``DynamicCache``); a benchmark
-prompt of ``PROMPT_TOKENS`` tokens, then ``DECODE_TOKENS`` greedy decode steps. The KV the
+through ``"kvstack_tiers"``, which also scores the pages of every tiered run here
+(``track_attention=True`` on both sides of each ratio; ``DynamicCache`` gets sdpa alone); a
+benchmark prompt of ``PROMPT_TOKENS`` tokens, then ``DECODE_TOKENS`` greedy decode steps. The KV the
 sequence holds at the end is ``kv_bytes``; the tiered runs give the device tier a quarter of it,
 the host tier a quarter, and put the rest on disk (a temporary directory: on this machine the
 page files are served from the OS page cache, so a disk read is a file read plus the page's
@@ -142,6 +142,7 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
                 device_budget=2 * kv_bytes,
                 host_budget=0,
                 policy=policy,
+                track_attention=True,
                 block_size=pages,
             )
         return TieredCache(
@@ -152,6 +153,7 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
             disk_budget=2 * kv_bytes,
             policy=policy,
             placement=placement,
+            track_attention=True,  # every tiered run: both sides of a ratio pay for the scores
             block_size=pages,
         )
 
@@ -315,7 +317,7 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         "model": MODEL_NAME,
         "dtype": "float32",
         "device": "cpu",
-        "attention": "sdpa (kvstack_tiers: sdpa, and page scores for a TieredCache)",
+        "attention": "sdpa (kvstack_tiers: sdpa, and page scores for every TieredCache)",
         "observation_window": OBSERVATION_WINDOW,
         "prompt_tokens": prompt_tokens,
         "decode_tokens": decode_tokens,

@@ -95,7 +95,9 @@ def test_readme_vllm_example_serves_the_memory_through_the_connector(tmp_path):
     )
     if not python.exists():
         pytest.skip("no vLLM venv: `make vllm-env`")
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    from kvstack.vllm import cpu_environment
+
+    env = os.environ | cpu_environment("nobind")
     script = tmp_path / "example.py"
     script.write_text(python_blocks()[4])
     done = subprocess.run(

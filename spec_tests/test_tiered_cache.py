@@ -534,11 +534,17 @@ def test_placement_at_prefill_puts_the_most_attended_pages_on_device_then_host(
 
 
 def test_attention_scores_are_required_where_the_cache_ranks_by_them(tiny_model):
-    for kwargs in (dict(policy="attention"), dict(placement="attention")):
+    for kwargs in (
+        dict(policy="attention"),
+        dict(placement="attention"),
+        dict(track_attention=True),
+    ):
         with pytest.raises(InvalidArgumentError, match="attn_implementation='kvstack_tiers'"):
             TieredCache(tiny_model.config, device_budget="1MiB", host_budget=0, **kwargs)
     with pytest.raises(InvalidArgumentError, match="placement='snapkv'"):
         TieredCache(tiny_model.config, device_budget="1MiB", host_budget=0, placement="snapkv")
+    with pytest.raises(InvalidArgumentError, match="track_attention=1"):
+        TieredCache(tiny_model.config, device_budget="1MiB", host_budget=0, track_attention=1)
     # Built for the scored attention, then run on another: the first step says so.
     with tiers_attention(tiny_model):
         cache = TieredCache(
@@ -547,3 +553,27 @@ def test_attention_scores_are_required_where_the_cache_ranks_by_them(tiny_model)
     ids = torch.randint(1, 256, (1, 20), generator=torch.Generator().manual_seed(7))
     with pytest.raises(KVStackError, match="only the 'kvstack_tiers' attention reports"):
         greedy(tiny_model, ids, cache, 2)
+
+
+def test_scores_are_computed_only_for_a_cache_that_asks_for_them(tiny_model, monkeypatch):
+    from kvstack.tiers import attention as tiers_attention_module
+
+    calls = []
+    real = tiers_attention_module.key_attention_mass
+    monkeypatch.setattr(
+        tiers_attention_module,
+        "key_attention_mass",
+        lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs),
+    )
+    ids = torch.randint(1, 256, (1, 40), generator=torch.Generator().manual_seed(8))
+    expected = greedy(tiny_model, ids, DynamicCache(config=tiny_model.config), 4)
+    with tiers_attention(tiny_model):
+        plain = TieredCache(tiny_model.config, device_budget="1MiB", host_budget=0)
+        assert torch.equal(greedy(tiny_model, ids, plain, 4), expected)
+        assert calls == [] and plain.stats()["device_attention_share"] is None
+        tracked = TieredCache(
+            tiny_model.config, device_budget="1MiB", host_budget=0, track_attention=True
+        )
+        assert torch.equal(greedy(tiny_model, ids, tracked, 4), expected)
+    assert len(calls) == 3 * 4  # every layer of the prefill and the three decode steps
+    assert tracked.stats()["device_attention_share"] == pytest.approx(1.0)  # all on device

@@ -24,12 +24,9 @@ pytestmark = [
 
 
 def test_facts_loaded_through_the_connector_skip_prefill_and_keep_vllms_tokens(tmp_path):
-    env = {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache; skips vLLM's RAM-fraction check
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "PYTHONPATH": str(ROOT),  # the driver module; kvstack is installed in the venv
-    }
+    from kvstack.vllm import cpu_environment
+
+    env = os.environ | cpu_environment("nobind")  # kvstack is installed in that venv
     driver = ROOT / "spec_tests" / "vllm_facts_driver.py"
     done = subprocess.run(
         [str(VLLM_PYTHON), str(driver), str(tmp_path)],

@@ -11,12 +11,11 @@ import sys
 
 def main(workdir: str) -> None:
     import torch
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm import SamplingParams
 
     from kvstack.facts import FactMemory
     from kvstack.models import load_smollm2, smollm2_cache_dir
-    from kvstack.vllm import transfer_params
+    from kvstack.vllm import fact_engine, transfer_params
 
     model, tokenizer = load_smollm2(progress=False)
     header = "<|im_start|>system\nAnswer from the notes.<|im_end|>\n<|im_start|>user\nNotes:\n"
@@ -51,19 +50,7 @@ def main(workdir: str) -> None:
     results["prompt_tokens"] = len(ids)
     results["covered"] = len(ids) - len(tokenizer(tail, add_special_tokens=False).input_ids)
 
-    llm = LLM(
-        model=str(smollm2_cache_dir()),
-        dtype="float32",
-        max_model_len=1024,
-        enforce_eager=True,
-        block_size=32,
-        enable_prefix_caching=False,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="FactConnector",
-            kv_connector_module_path="kvstack.vllm.connector",
-            kv_role="kv_both",
-        ),
-    )
+    llm = fact_engine(smollm2_cache_dir(), max_model_len=1024)
 
     def generate(params):
         sampling = SamplingParams(

@@ -58,6 +58,16 @@ class Fact:
     context_tokens: int  # tokens it was encoded after (the prefix and its turns)
 
 
+def rotate_keys_by(keys: torch.Tensor, positions: torch.Tensor, rotary: Any) -> torch.Tensor:
+    """Keys [L, T, H_kv, D], each token's turned by its entry of ``positions`` [T] (negative:
+    back towards 0) with the model's rotary module: one ``rerotate_keys`` call for every layer
+    and head, which turn by the same angle. Returns [L, T, H_kv, D]."""
+    layers, count, heads, head_dim = keys.shape
+    flat = keys.transpose(0, 1).reshape(count, layers * heads, head_dim)  # [T, L * H_kv, D]
+    turned = ops.get("rerotate_keys")(flat, positions, rotary)
+    return turned.reshape(count, layers, heads, head_dim).transpose(0, 1)
+
+
 def _rotary(model: Any) -> torch.nn.Module:
     inner = getattr(model, "model", model)
     rotary = getattr(inner, "rotary_emb", None)
@@ -220,18 +230,7 @@ class FactMemory:
         saved with the facts, for a server whose prompts must start with cached tokens (vLLM's
         connector loads the prefix and the facts as one cached run)."""
         if self._prefix_kv is None:
-            device = next(self.model.parameters()).device
-            cache = DynamicCache(config=self.model.config)
-            self.model(torch.tensor([self.prefix_ids], device=device), past_key_values=cache)
-            count = len(self.prefix_ids)
-            keys = torch.cat([layer.keys[0] for layer in cache.layers]).transpose(0, 1)
-            positions = torch.arange(count, device=device)
-            at_zero = ops.get("rerotate_keys")(keys.contiguous(), -positions, self.rotary)
-            layers = len(cache.layers)
-            # [T, L * H_kv, D] -> [L, T, H_kv, D]
-            at_zero = at_zero.reshape(count, layers, -1, at_zero.shape[-1]).transpose(0, 1)
-            values = torch.stack([layer.values[0].transpose(0, 1) for layer in cache.layers])
-            self._prefix_kv = (at_zero.contiguous(), values.contiguous())
+            self._prefix_kv = self._kv_at_zero([], self.prefix_ids)
         return self._prefix_kv
 
     def _encode(self, fact: str, context: list[str]):
@@ -253,22 +252,21 @@ class FactMemory:
                     f"the model's context of {self.max_positions}"
                 )
         context_ids = self.prefix_ids + context_ids
+        keys, values = self._kv_at_zero(context_ids, fact_ids)
+        return fact_ids, len(context_ids), keys, values
+
+    def _kv_at_zero(self, context_ids: list[int], ids: list[int]):
+        """One forward pass over ``context_ids + ids``; the K/V of ``ids`` alone, keys turned
+        back to position 0: ([L, T, H_kv, D], [L, T, H_kv, D])."""
         device = next(self.model.parameters()).device
-        ids = torch.tensor([context_ids + fact_ids], device=device)
         cache = DynamicCache(config=self.model.config)
-        self.model(ids, past_key_values=cache, use_cache=True)
-        start, count = len(context_ids), len(fact_ids)
-        # Every layer's fact slice, [1, H_kv, T, D] -> [T, L * H_kv, D]: one rotation for all.
-        keys = torch.cat([layer.keys[0, :, start:, :] for layer in cache.layers]).transpose(0, 1)
-        values = torch.stack(
-            [layer.values[0, :, start:, :].transpose(0, 1) for layer in cache.layers]
-        )
-        positions = torch.arange(start, start + count, device=device)
-        at_zero = ops.get("rerotate_keys")(keys.contiguous(), -positions, self.rotary)
-        layers, heads = len(cache.layers), cache.layers[0].keys.shape[1]
-        # [T, L * H_kv, D] -> [L, T, H_kv, D], the layout values have.
-        at_zero = at_zero.reshape(count, layers, heads, -1).transpose(0, 1).contiguous()
-        return fact_ids, start, at_zero, values.contiguous()
+        self.model(torch.tensor([context_ids + ids], device=device), past_key_values=cache)
+        start = len(context_ids)
+        # Each layer's slice [1, H_kv, T, D] -> [T, H_kv, D], stacked over layers.
+        keys = torch.stack([layer.keys[0, :, start:].transpose(0, 1) for layer in cache.layers])
+        values = torch.stack([layer.values[0, :, start:].transpose(0, 1) for layer in cache.layers])
+        positions = torch.arange(start, start + len(ids), device=device)
+        return rotate_keys_by(keys, -positions, self.rotary).contiguous(), values.contiguous()
 
     # ------------------------------------------------------------------ retrieval
     def retrieve(self, query: str, k: int) -> list[str]:
@@ -361,10 +359,11 @@ class FactMemory:
             raise InvalidArgumentError(
                 f"position={position}, but the cache holds {held} tokens; facts go right after them"
             )
-        if type(cache).__name__ == "TokenTableCache":
+        if any(getattr(layer, "needs_kvstack_attention", False) for layer in cache.layers):
             raise KVStackError(
-                "injecting into an evicting TokenTableCache is not supported yet; use DynamicCache "
-                "or PagedCache"
+                f"injecting into an evicting cache ({type(cache).__name__}: its tables evict in "
+                "the kvstack attention, which an injection does not run) is not supported yet; "
+                "use DynamicCache or PagedCache"
             )
         if not facts:
             return position
@@ -373,15 +372,10 @@ class FactMemory:
         stored = [self.kv(f.id) for f in facts]
         keys = torch.cat([k for k, _ in stored], dim=1).to(device)  # [L, T, H_kv, D]
         values = torch.cat([v for _, v in stored], dim=1).to(device)
-        layers, count, heads, head_dim = keys.shape
+        layers, count = keys.shape[:2]
         positions = torch.arange(position, position + count, device=device)
-        # [L, T, H_kv, D] -> [T, L * H_kv, D]: every layer and head turns by the same angle.
-        flat = keys.transpose(0, 1).reshape(count, layers * heads, head_dim)
-        rotated = ops.get("rerotate_keys")(flat, positions, self.rotary)
-        rotated = rotated.reshape(count, layers, heads, head_dim).permute(
-            1, 2, 0, 3
-        )  # [L, H, T, D]
-        values = values.permute(0, 2, 1, 3)  # [L, H_kv, T, D]
+        rotated = rotate_keys_by(keys, positions, self.rotary).transpose(1, 2)  # [L, H_kv, T, D]
+        values = values.transpose(1, 2)  # [L, H_kv, T, D]
         for layer in range(layers):
             cache.update(rotated[layer][None].contiguous(), values[layer][None].contiguous(), layer)
         _forget_kvstack_step()
@@ -483,4 +477,4 @@ def _forget_kvstack_step() -> None:
         attention.STEP.layer, attention.STEP.key = None, None
 
 
-__all__ = ["Fact", "FactMemory", "model_identity"]
+__all__ = ["Fact", "FactMemory", "model_identity", "rotate_keys_by"]

@@ -26,7 +26,10 @@ outputs, so the tokens are the same), each layer's keys are scored by an observa
 the step's last queries. ``placement="attention"`` then places the pages once a prefill's last
 layer has scored them: the most attended on device, the next on host, the rest on disk
 (SnapKV-style, ``TieredStore.place``); ``policy="attention"`` demotes the pages with the lowest
-running average of those scores first (KVDrive). Either refuses a config on another attention.
+running average of those scores first (KVDrive); ``track_attention=True`` scores the steps for
+``stats()["device_attention_share"]`` alone. Scores are computed only for a cache that asks for
+them (each is a small matmul per layer and step), and such a cache refuses a config on another
+attention.
 
 Hybrid models (Jamba, Bamba, Qwen3-Next, LFM2, NemotronH): their state layers keep transformers'
 own ``LinearAttentionLayer`` on the device (fixed-size conv and recurrent states, rewritten every
@@ -184,7 +187,8 @@ class TieredLayer(CacheLayerMixin):
         self.cache.prefetch_after(self.layer_idx)
         all_keys = torch.cat([p["k"] for p in pages] + [self.tail_keys], dim=-2)  # [B, H, seen, D]
         all_values = torch.cat([p["v"] for p in pages] + [self.tail_values], dim=-2)
-        pending.layer, pending.key = self, all_keys  # for the attention call that follows
+        if self.cache.needs_attention:  # scores are computed only for a cache that uses them
+            pending.layer, pending.key = self, all_keys  # for the attention call that follows
         return all_keys, all_values
 
     def observe_attention(self, mass: torch.Tensor, query_length: int) -> None:
@@ -228,7 +232,9 @@ class TieredCache(Cache):
     """Lossless: ``generate`` with it makes exactly ``DynamicCache``'s tokens, whatever the budgets.
 
     ``device_budget``, ``host_budget`` and ``disk_budget`` are bytes (an int or a string such as
-    ``"4MiB"``); ``policy`` is ``"lru"``, ``"attention"``, ``"cost"`` or an eviction rule object.
+    ``"4MiB"``); ``policy`` is ``"lru"``, ``"attention"``, ``"cost"`` or an eviction rule object;
+    ``placement`` is ``"recency"`` or ``"attention"``; ``track_attention`` scores decode steps
+    for ``stats()["device_attention_share"]`` (see the module docstring).
     """
 
     def __init__(
@@ -241,6 +247,7 @@ class TieredCache(Cache):
         disk_budget: int | str = 0,
         policy: str | EvictionRule = "lru",
         placement: str = "recency",
+        track_attention: bool = False,
         block_size: int = 16,
         device: str | torch.device = "cpu",
         prefetch_workers: int = 1,
@@ -270,7 +277,13 @@ class TieredCache(Cache):
             raise InvalidArgumentError(f"placement={placement!r}; expected one of {PLACEMENTS}")
         self.placement = placement
         self._rule_name = type(policy).__name__
-        self.needs_attention = placement == "attention" or getattr(policy, "uses_attention", False)
+        if not isinstance(track_attention, bool):
+            raise InvalidArgumentError(f"track_attention={track_attention!r}; expected a bool")
+        self.track_attention = track_attention
+        # Whether the attention scores pages for this cache (a cost per layer and step).
+        self.needs_attention = (
+            placement == "attention" or getattr(policy, "uses_attention", False) or track_attention
+        )
         text_config = config.get_text_config(decoder=True)
         if self.needs_attention and (
             getattr(text_config, "_attn_implementation", None) != tiers_attention.ATTENTION_NAME
@@ -349,8 +362,8 @@ class TieredCache(Cache):
     def attention_needed(self) -> str:
         """Why this cache needs the ``"kvstack_tiers"`` attention, and how to give it."""
         return (
-            f"TieredCache(policy={self._rule_name}, placement={self.placement!r}) "
-            "ranks pages by attention scores, which only the "
+            f"TieredCache(policy={self._rule_name}, placement={self.placement!r}, "
+            f"track_attention={self.track_attention}) uses attention scores, which only the "
             f"{tiers_attention.ATTENTION_NAME!r} attention reports; load the model with "
             f"attn_implementation={tiers_attention.ATTENTION_NAME!r}, or call "
             f"model.set_attn_implementation({tiers_attention.ATTENTION_NAME!r}) after importing "
@@ -442,7 +455,7 @@ class TieredCache(Cache):
             "transfer_seconds": self.prefetcher.transfer_seconds,
             "stall_seconds": self.prefetcher.stall_seconds,
             "overlap_fraction": self.prefetcher.overlap_fraction,
-            # Mean over decode steps and layers; None without the "kvstack_tiers" attention.
+            # Mean over decode steps and layers; None unless the cache asks for scores.
             "device_attention_share": (
                 self._device_share_sum / self._device_share_count
                 if self._device_share_count

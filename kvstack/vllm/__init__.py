@@ -6,7 +6,9 @@ vllm-env`` builds a venv with the CPU build of vLLM and kvstack installed in it)
   prefill. Select it with ``KVTransferConfig(kv_connector="FactConnector",
   kv_connector_module_path="kvstack.vllm.connector", kv_role="kv_both")``.
 
-* ``transfer_params``: what a request names for it (the saved store and its facts).
+* ``transfer_params``: what a request names for it (the saved store and its facts);
+  ``fact_engine``: a ``vllm.LLM`` with the connector selected; ``cpu_environment``: the
+  environment the CPU build runs in.
 
 ``kvstack.vllm`` itself needs no vLLM; ``kvstack.vllm.connector`` does (vLLM imports it in its
 engine and worker processes).
@@ -31,4 +33,33 @@ def transfer_params(memory: Any, fact_ids: list[str]) -> dict[str, Any]:
     return {PARAMS_KEY: {"store": str(memory.path), "facts": list(fact_ids)}}
 
 
-__all__ = ["PARAMS_KEY", "transfer_params"]
+def fact_engine(model_dir: Any, **options: Any) -> Any:
+    """A vLLM engine (CPU build, fp32, eager) with ``FactConnector`` selected and prefix caching
+    off, which the connector needs; ``options`` override ``vllm.LLM``'s arguments."""
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    connector = KVTransferConfig(
+        kv_connector="FactConnector",
+        kv_connector_module_path="kvstack.vllm.connector",
+        kv_role="kv_both",
+    )
+    defaults = dict(
+        dtype="float32",
+        max_model_len=2048,
+        enforce_eager=True,
+        block_size=32,
+        enable_prefix_caching=False,
+        kv_transfer_config=connector,
+    )
+    return LLM(model=str(model_dir), **(defaults | options))
+
+
+def cpu_environment(threads_bind: str) -> dict[str, str]:
+    """Environment for vLLM's CPU build: 1 GiB of KV cache (which also skips its check of the
+    free RAM fraction) and ``threads_bind`` for its worker's threads ("0": core 0 only,
+    "nobind": any core)."""
+    return {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": threads_bind}
+
+
+__all__ = ["PARAMS_KEY", "cpu_environment", "fact_engine", "transfer_params"]

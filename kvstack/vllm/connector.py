@@ -41,8 +41,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvstack import ops
 from kvstack.facts import storage
+from kvstack.facts.memory import rotate_keys_by
 from kvstack.vllm import PARAMS_KEY
 
 logger = logging.getLogger(__name__)
@@ -81,11 +81,7 @@ class SavedFacts:
             values.append(self.tensors.get_tensor(f"{stem}.v"))
         keys = torch.cat(keys, dim=1)[:, start:end]
         values = torch.cat(values, dim=1)[:, start:end]
-        layers, count, heads, head_dim = keys.shape
-        # [L, T, H_kv, D] -> [T, L * H_kv, D]: every layer and head turns by the same angle.
-        flat = keys.transpose(0, 1).reshape(count, layers * heads, head_dim)
-        rotated = ops.get("rerotate_keys")(flat, torch.arange(start, end), rotary)
-        return rotated.reshape(count, layers, heads, head_dim).transpose(0, 1), values
+        return rotate_keys_by(keys, torch.arange(start, end), rotary), values
 
 
 @dataclass
