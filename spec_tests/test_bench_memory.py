@@ -27,6 +27,7 @@ def test_the_quick_run_measures_every_figure(quick_run):
         "memory.accuracy.inject_w5",
         "memory.accuracy.inject_w0_alone",
         "memory.accuracy_gap.inject_w5",
+        "memory.throughput_ratio",
     } | ({"memory.vllm.ttft_speedup.k4"} if quick_run.workload["vllm"] is not None else set())
     assert all(math.isfinite(f.value) for f in figures.values())
     for side in ("prefill", "inject_w0", "inject_w5", "inject_w0_alone"):
@@ -36,6 +37,10 @@ def test_the_quick_run_measures_every_figure(quick_run):
     # More facts, longer prompts; every question got an answer on every side.
     assert workload["prompt_tokens"][4] > workload["prompt_tokens"][2]
     assert all(len(answers) == 6 for answers in workload["answers"].values())
+    # The engine served 3 questions at once both ways; giving it the facts' K/V is faster.
+    throughput = workload["throughput"]
+    assert throughput["requests"] == 3 and throughput["k"] == 4
+    assert figures["memory.throughput_ratio"].value > 1
     if workload["vllm"] is not None:  # vLLM's engine took the header and facts from the store
         assert all(cached > 0 for cached in workload["vllm"]["cached"])
 

@@ -399,6 +399,29 @@ class FactMemory:
         self.inject(cache, fact_ids)
         return cache, torch.tensor([ids], device=device)
 
+    @torch.no_grad()
+    def prompt_kv(
+        self, fact_ids: Sequence[str], question: str
+    ) -> tuple[list[int], tuple[torch.Tensor, torch.Tensor]]:
+        """For a server that takes a prompt's first K/V ready (``kvstack.serve.Engine``'s
+        ``submit(ids, n, prefix_kv=kv)``): the prompt's ids, ``prompt_ids(self.prefix, fact_ids,
+        question)``, and the K/V of its prefix and facts, keys rotated at their positions 0..n-1
+        ([L, n, H_kv, D] each, n = prefix and fact tokens; the memory's prefix stands for the
+        header, as in vLLM's connector). Only the question is left to compute."""
+        facts = self._facts(fact_ids)
+        ids = self.prompt_ids(self.prefix, fact_ids, question)
+        if len(ids) == len(self.prefix_ids) + sum(len(f.token_ids) for f in facts):
+            raise InvalidArgumentError(f"question={question!r} has no tokens; a prompt needs one")
+        if not self.prefix_ids and not facts:
+            raise InvalidArgumentError("no prefix and no facts: there is no K/V to give")
+        self._resident([f.id for f in facts])  # any read from the store first: views then hold
+        parts = ([self.prefix_kv()] if self.prefix_ids else []) + [self.kv(f.id) for f in facts]
+        device = next(self.model.parameters()).device
+        keys = torch.cat([k.to(device) for k, _ in parts], dim=1)  # [L, n, H_kv, D], at 0
+        values = torch.cat([v.to(device) for _, v in parts], dim=1)
+        positions = torch.arange(keys.shape[1], device=device)
+        return ids, (rotate_keys_by(keys, positions, self.rotary).contiguous(), values)
+
     def _facts(self, fact_ids: Sequence[str]) -> list[Fact]:
         if isinstance(fact_ids, str):
             raise InvalidArgumentError(f"fact_ids={fact_ids!r}; expected a sequence of ids")

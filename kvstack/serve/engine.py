@@ -38,6 +38,11 @@ A step, in order:
    one (``request.Sampling``); a request ends at a stop id or at ``max_new_tokens`` and returns
    its pages.
 
+A request may come with the K/V of its prompt's first tokens already computed (``submit(...,
+prefix_kv=...)``: a fact memory's injected facts, ``kvstack.facts.FactMemory.prompt_kv``). They
+are written into its pages when it is admitted, and again if it is preempted, so the engine
+computes only the rest of its prompt (lossless caches in the stacked layout).
+
 Hybrid models (recurrent state layers beside attention) would run those layers across request
 boundaries in a packed row. Their prefill work runs one forward pass per request (the whole
 prompt at once, each request's states in its cache's arena state pages); their decode tokens
@@ -233,10 +238,19 @@ class Engine:
         eos_token_id: int | Iterable[int] | None = None,
         stop_ids: Iterable[int] | None = None,
         sampling: Sampling | None = None,
+        prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> Request:
         """Queue a request (its prompt ``input_ids``: a list of ids or a [T] / [1, T] tensor)
         and return its handle. Refused, with nothing queued, when even alone it could never fit
-        the arena."""
+        the arena.
+
+        ``prefix_kv``: the K/V of the prompt's first n tokens, known already (a fact memory's
+        injected facts, ``FactMemory.prompt_kv``): keys and values [L, n, H_kv, D] for the L
+        attention layers, keys rotated at positions 0..n-1, n below the prompt's length. They
+        are written into the request's pages when it is admitted (and again after a preemption)
+        and only the rest of the prompt is computed. The engine reads them then: leave them
+        unchanged until the request is done. Lossless caches on models whose layers are all
+        full attention only."""
         prompt = token_ids("input_ids", input_ids)
         vocab = self.model.config.get_text_config(decoder=True).vocab_size
         if max(prompt) >= vocab:
@@ -261,6 +275,8 @@ class Engine:
                 f"more than the arena's capacity of {self.arena.capacity_bytes} bytes can "
                 "give it; it could never run"
             )
+        if prefix_kv is not None:
+            prefix_kv = self._check_prefix_kv(prefix_kv, len(prompt))
         request = Request(
             id=self._next_id,
             prompt_ids=prompt,
@@ -268,10 +284,72 @@ class Engine:
             stop_ids=stops,
             sampling=sampling,
             stats=RequestStats(submitted_at=time.perf_counter()),
+            prefix_kv=prefix_kv,
         )
         self._next_id += 1
         self._waiting.append(request)
         return request
+
+    def _check_prefix_kv(self, prefix_kv: Any, prompt_tokens: int) -> tuple[Any, Any]:
+        """``prefix_kv`` checked against this engine and a prompt of ``prompt_tokens``; the
+        pair on the arena's device."""
+        if not self._stacked:
+            raise InvalidArgumentError(
+                f"prefix_kv needs the lossless cache (CacheSpec()) on a model whose layers are "
+                f"all full attention, in the kvstack layout; this engine runs {self.spec} in the "
+                f"{self.layout.name} layout"
+                + (" on a hybrid model" if self.hybrid else "")
+                + ": an evicting cache decides what to keep while it computes the prompt"
+            )
+        if (
+            not isinstance(prefix_kv, (tuple, list))
+            or len(prefix_kv) != 2
+            or not all(isinstance(t, torch.Tensor) for t in prefix_kv)
+        ):
+            raise InvalidArgumentError(
+                f"prefix_kv must be a pair of tensors (keys, values), got {type(prefix_kv).__name__}"
+            )
+        keys, values = prefix_kv
+        layers = len(self._layer_index)
+        heads, head_dim = self._probe.expected_kv_heads, self._probe.expected_head_dim
+        count = keys.shape[1] if keys.dim() == 4 else -1
+        expected = (layers, count, heads, head_dim)
+        if keys.dim() != 4 or tuple(keys.shape) != expected or keys.shape != values.shape:
+            raise InvalidArgumentError(
+                f"prefix_kv holds keys {tuple(keys.shape)} and values {tuple(values.shape)}; "
+                f"expected both [layers={layers}, n, kv_heads={heads}, head_dim={head_dim}]"
+            )
+        if not 1 <= count < prompt_tokens:
+            raise InvalidArgumentError(
+                f"prefix_kv covers {count} tokens of a {prompt_tokens}-token prompt; expected 1 "
+                f"to {prompt_tokens - 1} (at least the last prompt token is computed, for the "
+                "first new token's logits)"
+            )
+        if keys.dtype != self.arena.dtype or values.dtype != self.arena.dtype:
+            raise InvalidArgumentError(
+                f"prefix_kv holds {keys.dtype} keys and {values.dtype} values; the arena holds "
+                f"{self.arena.dtype}"
+            )
+        device = self.arena.device
+        return keys.to(device), values.to(device)
+
+    def _load_prefix(self, request: Request) -> None:
+        """Write ``request.prefix_kv`` into its new store's first pages (every layer), as if
+        computed: ``request.computed`` counts them."""
+        keys, values = request.prefix_kv
+        count = keys.shape[1]
+        store = request.cache
+        store.reserve(count)
+        slots = store.base_slots(0, count)  # [n]: layer 0's slots; layer l adds l * block_size
+        key_cache, value_cache = store.key_value()
+        rows = (-1, keys.shape[2], keys.shape[3])  # the arena as [S, H_kv, D]
+        with torch.no_grad():
+            for layer in range(keys.shape[0]):
+                layer_slots = slots + layer * store.block_size
+                key_cache.view(rows).index_copy_(0, layer_slots, keys[layer])
+                value_cache.view(rows).index_copy_(0, layer_slots, values[layer])
+        store.tokens = count
+        request.computed = count
 
     def cancel(self, request: Request) -> bool:
         """Stop ``request`` and return its pages; False if it had already finished."""
@@ -450,11 +528,21 @@ class Engine:
             need = self._request_admission_need(request) + self._promised_need()
             if self._running and not self.layout.fits(need, self._held()):
                 return  # FIFO: nobody overtakes the oldest waiting request
-            self._waiting.popleft()
             request.cache = self._new_cache()
             if self.spec.evicting and not self.hybrid:
                 request.cache.expect_prompt(len(request.prompt_ids))  # a chunk per step
             request.computed = 0
+            if request.prefix_kv is not None:
+                try:
+                    self._load_prefix(request)
+                except ArenaExhausted:
+                    # The free bytes were there but not in pages it could take: it waits,
+                    # still first in line, for a request to finish.
+                    self._drop_cache(request)
+                    if not self._running:
+                        raise
+                    return
+            self._waiting.popleft()
             request.admitted_at_step = self._step
             self._running.append(request)
 

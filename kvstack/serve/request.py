@@ -122,6 +122,10 @@ class Request:
     computed: int = 0
     admitted_at_step: int | None = None
     last_scheduled_step: int = -1
+    # K/V the caller gave for the prompt's first tokens (``Engine.submit(prefix_kv=...)``): keys
+    # and values [L, n, H_kv, D], keys rotated at positions 0..n-1. Written into the cache at
+    # admission (again after a preemption) instead of computed.
+    prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     def __repr__(self) -> str:
         state = self.finish_reason or ("running" if self.cache is not None else "waiting")
