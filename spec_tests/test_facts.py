@@ -378,3 +378,34 @@ def test_injection_into_an_evicting_cache_is_refused_and_leaves_it_empty():
     ):
         mem.inject(cache, ["f0"])
     assert cache.get_seq_length() == 0
+
+
+def seeded_embedder(texts):
+    """A random 64-d vector per distinct text (seeded by its hash): a text's nearest vector
+    among thousands is its own."""
+    rows = []
+    for text in texts:
+        seed = int(hashlib.sha256(text.encode()).hexdigest(), 16) % 2**31
+        rows.append(torch.randn(64, generator=torch.Generator().manual_seed(seed)))
+    return torch.stack(rows)
+
+
+def test_a_store_of_thousands_of_facts_saves_reopens_retrieves_and_injects(tmp_path):
+    facts = [f"Guest {i} sits at table {i % 97}." for i in range(2000)]
+    mem = memory(embedder=seeded_embedder, path=tmp_path, prefix="Notes:\n")
+    ids = mem.add_many(facts)
+    assert len(mem) == 2000 and len(set(ids)) == 2000
+    page_bytes = [2 * k.numel() * k.element_size() for k, _ in (mem.kv(i) for i in ids)]
+    assert mem.bytes_held == sum(page_bytes)  # one arena page per fact, nothing more
+    mem.save()
+    again = memory(embedder=seeded_embedder, path=tmp_path, prefix="Notes:\n")
+    assert len(again) == 2000
+    for index in (0, 977, 1999):
+        assert again.retrieve(facts[index], k=1) == [ids[index]]
+        assert torch.equal(again.kv(ids[index])[0], mem.kv(ids[index])[0])
+    chosen = again.retrieve(facts[1234], k=3)
+    prompt, (keys, _) = again.prompt_kv(chosen, "Where? ")
+    assert prompt == again.prompt_ids("Notes:\n", chosen, "Where? ")
+    assert keys.shape[1] == len(again.prefix_ids) + sum(
+        len(again.facts[f].token_ids) for f in chosen
+    )

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers import DynamicCache
 
 from kvstack.arena import KVArena
@@ -43,10 +45,10 @@ def requests(mem) -> list[tuple[list[int], tuple[torch.Tensor, torch.Tensor]]]:
 
 
 def generate_from(model, ids: list[int], prefix_kv, new_tokens: int = NEW_TOKENS) -> list[int]:
-    """``generate`` alone, from a ``DynamicCache`` holding ``prefix_kv`` (sdpa)."""
-    keys, values = prefix_kv
+    """``generate`` alone, from a ``DynamicCache`` holding ``prefix_kv`` (None: empty; sdpa)."""
     cache = DynamicCache(config=model.config)
-    for layer in range(keys.shape[0]):
+    keys, values = prefix_kv if prefix_kv is not None else (torch.zeros(0), None)
+    for layer in range(len(keys)):
         # [n, H_kv, D] -> [1, H_kv, n, D]
         cache.update(keys[layer].transpose(0, 1)[None], values[layer].transpose(0, 1)[None], layer)
     model.set_attn_implementation("sdpa")
@@ -144,3 +146,56 @@ def test_bad_prefix_kv_is_refused_and_the_engine_is_unchanged(fact_memory):
     assert not evicting.has_work()
     with pytest.raises(InvalidArgumentError, match="question=.* has no tokens"):
         fact_memory.prompt_kv(["f0"], "")
+
+
+# --------------------------------------------------------------------------- any prefix K/V
+def random_prefix_kv(model, count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V for ``count`` tokens of every layer, [L, n, H_kv, D] each, drawn at random: the
+    engine must use them as given, whatever they hold."""
+    config = model.config
+    gen = torch.Generator().manual_seed(seed)
+    shape = (config.num_hidden_layers, count, config.num_key_value_heads, 16)
+    return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+
+
+@settings(
+    max_examples=10,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    # (prompt tokens, of them given as K/V, new tokens) per request; None: no prefix K/V.
+    requests_drawn=st.lists(
+        st.tuples(st.integers(2, 40), st.one_of(st.none(), st.integers(1, 39)), st.integers(1, 30)),
+        min_size=1,
+        max_size=4,
+    ),
+    # The arena in 16-token pages of both layers: from one request's worth (preemption) up.
+    pages=st.integers(4, 24),
+    seed=st.integers(0, 1000),
+)
+def test_random_prefix_kv_traces_make_generates_tokens_and_leave_an_empty_arena(
+    requests_drawn, pages, seed
+):
+    model = tiny_model()
+    model.generation_config.eos_token_id = None  # the engine stops only at ids it is given
+    page = 2 * 16 * 2 * 16 * 2 * 4  # 16 tokens x 2 layers x 2 KV heads x dim 16 x K, V x fp32
+    arena = KVArena(pages * page)
+    engine = Engine(model, arena, prefill_chunk=8, max_batch_tokens=24)
+    submitted = []
+    for index, (length, given_tokens, new_tokens) in enumerate(requests_drawn):
+        gen = torch.Generator().manual_seed(seed + index)
+        ids = torch.randint(1, 256, (length,), generator=gen).tolist()
+        count = None if given_tokens is None else min(given_tokens, length - 1)
+        kv = None if count is None else random_prefix_kv(model, count, seed + index)
+        try:
+            handle = engine.submit(ids, new_tokens, prefix_kv=kv)
+        except InvalidArgumentError:  # too large for this arena even alone
+            assert not engine.could_run_alone(length, new_tokens)
+            continue
+        submitted.append((handle, ids, kv, new_tokens))
+    engine.run()
+    for handle, ids, kv, new_tokens in submitted:
+        assert handle.output_ids == generate_from(model, ids, kv, new_tokens)
+    assert arena.bytes_used == 0
+    arena.check_invariants()
