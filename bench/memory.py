@@ -23,6 +23,11 @@ question) is the same for both sides and not timed.
   interleaved rounds, a different question each round. Target >= 4.8 at k = 50 (InferScale:
   3.6-4.8x).
 * ``memory.ttft_flatness``: injected TTFT at k = 50 ÷ at k = 5. Target <= 1.2.
+* ``memory.ttft_speedup.k50.first{4,8}`` and ``memory.accuracy.inject_w5_first{4,8}``: injection
+  followed by computing each fact's first r tokens again in the prompt (``RECOMPUTE_FIRST``,
+  ``build_cache(recompute_first=r)``, EPIC's LegoLink): its time to first token at k = 50 (timed
+  on the w = 0 memory: the recompute costs the same on either) and its accuracy on the w = 5
+  memory. Not InferScale's injection: the trade-off between its speed and prefill's accuracy.
 * ``memory.accuracy.{prefill,inject_w0,inject_w5,inject_w0_alone}``: of the evaluation set's
   questions, those whose greedy answer (up to ``ANSWER_TOKENS`` tokens, k = ``ACCURACY_K``
   retrieved facts) contains an accepted answer after normalisation (``conversations.score``);
@@ -88,6 +93,10 @@ ACCURACY_K, QUICK_ACCURACY_K = 5, 2
 ANSWER_TOKENS = 12
 QUICK_QUESTIONS, QUICK_FACTS = 6, 24
 CONTEXT_TURNS = 5  # w of the w = 5 memory
+# Tokens at the start of each fact computed again in the prompt after injection (EPIC's
+# LegoLink, ``FactMemory.build_cache(recompute_first=r)``), measured on the w = 5 memory: an
+# accuracy / time-to-first-token trade-off (the facts here are about 10 tokens each).
+RECOMPUTE_FIRST = (4, 8)
 # name -> (w, encoded after the prompts' header, what is injected)
 MEMORIES = {
     "inject_w0": (0, True, "the facts' K/V injected, each encoded after the header alone"),
@@ -163,9 +172,11 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
             ).logits
         return int(logits[0, -1].argmax())
 
-    def first_token_injected(memory: Any, header: str, fact_ids: list[str], tail: str) -> int:
+    def first_token_injected(
+        memory: Any, header: str, fact_ids: list[str], tail: str, recompute_first: int = 0
+    ) -> int:
         with torch.inference_mode():
-            cache, ids = memory.build_cache(header, fact_ids, tail)
+            cache, ids = memory.build_cache(header, fact_ids, tail, recompute_first=recompute_first)
             logits = model(ids[:, cache.get_seq_length() :], past_key_values=cache).logits
         return int(logits[0, -1].argmax())
 
@@ -184,17 +195,18 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
             current.update(header=header, tail=tail, fact_ids=fact_ids, ids=ids)
             current["lengths"].append(len(ids))
 
-        timings = time_interleaved(
-            {
-                "prefill": lambda: first_token_prefill(current["ids"]),
-                "inject": lambda: first_token_injected(
-                    plain, current["header"], current["fact_ids"], current["tail"]
-                ),
-            },
-            rounds,
-            warmup=1,
-            on_round=next_question,
-        )
+        sides = {
+            "prefill": lambda: first_token_prefill(current["ids"]),
+            "inject": lambda: first_token_injected(
+                plain, current["header"], current["fact_ids"], current["tail"]
+            ),
+        }
+        if k == max(ks):  # what recomputing each fact's first tokens costs, at the largest k
+            for r in RECOMPUTE_FIRST:
+                sides[f"inject_first{r}"] = lambda r=r: first_token_injected(
+                    plain, current["header"], current["fact_ids"], current["tail"], r
+                )
+        timings = time_interleaved(sides, rounds, warmup=1, on_round=next_question)
         medians = {side: statistics.median(s) for side, s in timings.seconds.items()}
         return medians, statistics.median(current["lengths"])
 
@@ -214,6 +226,13 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
             f"time to first token with {k} retrieved facts: prefilling the prompt's text ÷ the "
             "facts' stored K/V injected (header and question prefilled either way)",
             (">=", 4.8) if k == 50 else None,
+        )
+    for r in RECOMPUTE_FIRST:
+        figures[f"memory.ttft_speedup.k{max(ks)}.first{r}"] = Figure(
+            ttft[max(ks)]["prefill"] / ttft[max(ks)][f"inject_first{r}"],
+            "ratio",
+            f"the same ratio with {max(ks)} facts, each fact's first {r} tokens computed again "
+            "in the prompt after the injection (build_cache(recompute_first=...))",
         )
     figures["memory.ttft_flatness"] = Figure(
         ttft[max(ks)]["inject"] / ttft[min(ks)]["inject"],
@@ -254,7 +273,11 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
 
     # ---------------------------------------------------------------- accuracy
     log(f"accuracy: {len(questions)} questions, k = {accuracy_k}, {ANSWER_TOKENS} answer tokens")
-    answers: dict[str, dict[str, str]] = {"prefill": {}} | {name: {} for name in MEMORIES}
+    answers: dict[str, dict[str, str]] = (
+        {"prefill": {}}
+        | {name: {} for name in MEMORIES}
+        | {f"inject_w5_first{r}": {} for r in RECOMPUTE_FIRST}
+    )
     for question in questions:
         header, tail = prompt_parts(tokenizer, question.text)
         fact_ids = plain.retrieve(question.text, accuracy_k)
@@ -263,6 +286,11 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         for name, memory in memories.items():
             cache, injected_ids = memory.build_cache(header, fact_ids, tail)
             runs[name] = (injected_ids, cache)
+        for r in RECOMPUTE_FIRST:
+            cache, injected_ids = memories["inject_w5"].build_cache(
+                header, fact_ids, tail, recompute_first=r
+            )
+            runs[f"inject_w5_first{r}"] = (injected_ids, cache)
         for side, (input_ids, cache) in runs.items():
             with warnings.catch_warnings(), torch.inference_mode():
                 warnings.simplefilter("ignore", FutureWarning)
@@ -282,7 +310,7 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
             score["overall"],
             "fraction",
             "questions answered correctly ("
-            + ("the facts' text prefilled" if side == "prefill" else MEMORIES[side][2])
+            + _side_text(side)
             + f"), k = {accuracy_k} retrieved facts, normalised match",
         )
     gap = scores["prefill"]["overall"] - scores[f"inject_w{CONTEXT_TURNS}"]["overall"]
@@ -322,6 +350,16 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         title="kvstack memory benchmark: fact KV injected instead of prefilled (InferScale)",
         sections=[],
     )
+
+
+def _side_text(side: str) -> str:
+    """What a side of the accuracy figures runs."""
+    if side == "prefill":
+        return "the facts' text prefilled"
+    if side in MEMORIES:
+        return MEMORIES[side][2]
+    r = side.rsplit("first", 1)[1]
+    return f"{MEMORIES['inject_w5'][2]}, then each fact's first {r} tokens computed again in the prompt"
 
 
 def _measure_throughput(

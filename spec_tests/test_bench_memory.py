@@ -28,9 +28,13 @@ def test_the_quick_run_measures_every_figure(quick_run):
         "memory.accuracy.inject_w0_alone",
         "memory.accuracy_gap.inject_w5",
         "memory.throughput_ratio",
+        "memory.ttft_speedup.k4.first4",
+        "memory.ttft_speedup.k4.first8",
+        "memory.accuracy.inject_w5_first4",
+        "memory.accuracy.inject_w5_first8",
     } | ({"memory.vllm.ttft_speedup.k4"} if quick_run.workload["vllm"] is not None else set())
     assert all(math.isfinite(f.value) for f in figures.values())
-    for side in ("prefill", "inject_w0", "inject_w5", "inject_w0_alone"):
+    for side in ("prefill", "inject_w0", "inject_w5", "inject_w0_alone", "inject_w5_first4"):
         assert 0 <= figures[f"memory.accuracy.{side}"].value <= 1
     workload = quick_run.workload
     assert workload["questions"] == 6 and workload["facts"] == 24

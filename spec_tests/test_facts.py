@@ -141,6 +141,47 @@ def test_every_fact_in_order_with_its_whole_context_reproduces_full_prefill(cach
     assert torch.equal(got, expected)
 
 
+def test_recomputing_every_fact_token_in_place_reproduces_full_prefill():
+    """Facts encoded alone (w = 0, far from their place in the prompt); recompute_first at
+    least every fact's length computes them again in the prompt: full prefill's logits. A few
+    tokens per fact move the question's logits towards it."""
+    model = tiny_model()
+    mem = memory()
+    ids = mem.add_many(FACTS)
+    header, question = "Notes:\n", "Who bakes? "
+    prompt = torch.tensor([mem.prompt_ids(header, ids, question)])
+    with torch.inference_mode():
+        full = model(prompt).logits[0, -len(question) :]
+
+    def question_logits(recompute_first):
+        cache, _ = mem.build_cache(header, ids, question, recompute_first=recompute_first)
+        assert cache.get_seq_length() == prompt.shape[1] - len(question)
+        with torch.inference_mode():
+            return model(
+                prompt[:, cache.get_seq_length() :], past_key_values=cache, use_cache=True
+            ).logits[0]
+
+    longest = max(len(mem.facts[f].token_ids) for f in ids)
+    assert relative_error(question_logits(longest), full) <= 1e-5
+    assert relative_error(question_logits(10 * longest), full) <= 1e-5
+    plain, some = relative_error(question_logits(0), full), relative_error(question_logits(4), full)
+    assert plain > 1e-3 and some < plain
+
+
+def test_recompute_first_refuses_bad_counts_and_caches_it_cannot_edit():
+    from kvstack.hf import PagedCache
+
+    mem = memory()
+    mem.add(FACTS[0])
+    for bad in (-1, 1.5, "2"):
+        with pytest.raises(InvalidArgumentError, match="recompute_first=.*expected an int >= 0"):
+            mem.build_cache("Notes:\n", ["f0"], "Who? ", recompute_first=bad)
+    cache = PagedCache(tiny_model().config)
+    with pytest.raises(InvalidArgumentError, match="recompute_first needs a DynamicCache"):
+        mem.build_cache("Notes:\n", ["f0"], "Who? ", cache=cache, recompute_first=2)
+    assert cache.get_seq_length() == 0
+
+
 def test_a_fact_keeps_only_its_own_kv_and_w_bounds_the_context_it_was_encoded_after():
     mem = memory(context_turns=2)
     fact_id = mem.add(FACTS[3], context=FACTS[:3])

@@ -383,21 +383,81 @@ class FactMemory:
 
     @torch.no_grad()
     def build_cache(
-        self, header: str, fact_ids: Sequence[str], question: str, cache: Any = None
+        self,
+        header: str,
+        fact_ids: Sequence[str],
+        question: str,
+        cache: Any = None,
+        *,
+        recompute_first: int = 0,
     ) -> tuple[Any, torch.Tensor]:
         """A cache holding the header (prefilled) and the facts (injected), and the assembled
         prompt's ids [1, n]: ``generate(input_ids, past_key_values=cache)`` then prefills only
-        the question."""
+        the question.
+
+        ``recompute_first=r``: the first r tokens of every fact are then computed again in the
+        prompt, attending to the header, the facts before them and each other, and their K/V
+        replace the injected ones (EPIC's "LegoLink": a fact's first tokens are where K/V
+        computed apart differ most from the same tokens prefilled in place). r at least every
+        fact's length gives full prefill's K/V; 0 is plain injection. ``DynamicCache`` only, on
+        a model running sdpa or eager attention (the recompute passes its own 4D mask)."""
+        if not isinstance(recompute_first, int) or recompute_first < 0:
+            raise InvalidArgumentError(
+                f"recompute_first={recompute_first!r}; expected an int >= 0 (tokens per fact)"
+            )
+        if recompute_first and cache is not None and type(cache) is not DynamicCache:
+            raise InvalidArgumentError(
+                f"recompute_first needs a DynamicCache (its K/V are replaced in place); got "
+                f"{type(cache).__name__}"
+            )
         cache = DynamicCache(config=self.model.config) if cache is None else cache
         ids = self.prompt_ids(header, fact_ids, question)
         device = next(self.model.parameters()).device
+        header_ids = (
+            list(self.tokenizer(header, add_special_tokens=False).input_ids) if header else []
+        )
         if header:
-            header_ids = self.tokenizer(header, add_special_tokens=False).input_ids
             self.model(
                 torch.tensor([header_ids], device=device), past_key_values=cache, use_cache=True
             )
-        self.inject(cache, fact_ids)
+        start = self.inject(cache, fact_ids) - sum(len(f.token_ids) for f in self._facts(fact_ids))
+        if recompute_first:
+            positions, at = [], start
+            for fact in self._facts(fact_ids):
+                positions += range(at, at + min(recompute_first, len(fact.token_ids)))
+                at += len(fact.token_ids)
+            self._recompute(cache, ids, positions)
         return cache, torch.tensor([ids], device=device)
+
+    def _recompute(self, cache: DynamicCache, ids: list[int], positions: list[int]) -> None:
+        """Compute the tokens at ``positions`` (ascending, all held by ``cache``) again in one
+        forward pass, each attending to every other held token before it and to the
+        recomputed ones up to itself, and write their K/V over the old ones."""
+        if not positions:
+            return
+        device = next(self.model.parameters()).device
+        held = cache.get_seq_length()
+        chosen = torch.tensor(positions, device=device)  # [S]
+        old = torch.arange(held, device=device)  # [held]
+        # [S, held + S]: old entries before each token, except those being replaced; the new
+        # entries (appended after the held ones) up to and including its own.
+        sees_old = (old[None, :] < chosen[:, None]) & ~torch.isin(old, chosen)[None, :]
+        sees_new = chosen[None, :] <= chosen[:, None]
+        visible = torch.cat([sees_old, sees_new], dim=1)
+        dtype = next(self.model.parameters()).dtype
+        mask = torch.zeros(visible.shape, dtype=dtype, device=device)
+        mask.masked_fill_(~visible, torch.finfo(dtype).min)  # additive: sdpa and eager alike
+        self.model(
+            torch.tensor([[ids[p] for p in positions]], device=device),
+            position_ids=chosen[None],
+            past_key_values=cache,
+            attention_mask=mask[None, None],  # [1, 1, S, held + S]
+            use_cache=True,
+        )
+        for layer in cache.layers:  # [1, H_kv, held + S, D]: the new entries over the old
+            keys, values = layer.keys.clone(), layer.values.clone()
+            keys[:, :, chosen], values[:, :, chosen] = keys[:, :, held:], values[:, :, held:]
+            layer.keys, layer.values = keys[:, :, :held], values[:, :, :held]
 
     @torch.no_grad()
     def prompt_kv(
