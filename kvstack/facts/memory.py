@@ -367,19 +367,25 @@ class FactMemory:
             )
         if not facts:
             return position
-        device = next(self.model.parameters()).device
-        self._resident([f.id for f in facts])  # any read from the store first: views then hold
-        stored = [self.kv(f.id) for f in facts]
-        keys = torch.cat([k for k, _ in stored], dim=1).to(device)  # [L, T, H_kv, D]
-        values = torch.cat([v for _, v in stored], dim=1).to(device)
-        layers, count = keys.shape[:2]
-        positions = torch.arange(position, position + count, device=device)
-        rotated = rotate_keys_by(keys, positions, self.rotary).transpose(1, 2)  # [L, H_kv, T, D]
-        values = values.transpose(1, 2)  # [L, H_kv, T, D]
-        for layer in range(layers):
-            cache.update(rotated[layer][None].contiguous(), values[layer][None].contiguous(), layer)
+        keys, values = self._kv_at(facts, position)  # [L, T, H_kv, D] each
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [L, H_kv, T, D]
+        for layer in range(keys.shape[0]):
+            cache.update(keys[layer][None].contiguous(), values[layer][None].contiguous(), layer)
         _forget_kvstack_step()
-        return position + count
+        return position + keys.shape[2]
+
+    def _kv_at(
+        self, facts: list[Fact], position: int, with_prefix: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored K/V of (the prefix and) ``facts`` one after another, keys rotated at
+        ``position`` onwards, on the model's device: [L, T, H_kv, D] each."""
+        self._resident([f.id for f in facts])  # any read from the store first: views then hold
+        parts = ([self.prefix_kv()] if with_prefix else []) + [self.kv(f.id) for f in facts]
+        device = next(self.model.parameters()).device
+        keys = torch.cat([k.to(device) for k, _ in parts], dim=1)  # [L, T, H_kv, D], at 0
+        values = torch.cat([v.to(device) for _, v in parts], dim=1)
+        positions = torch.arange(position, position + keys.shape[1], device=device)
+        return rotate_keys_by(keys, positions, self.rotary), values
 
     @torch.no_grad()
     def build_cache(
@@ -420,9 +426,10 @@ class FactMemory:
             self.model(
                 torch.tensor([header_ids], device=device), past_key_values=cache, use_cache=True
             )
-        start = self.inject(cache, fact_ids) - sum(len(f.token_ids) for f in self._facts(fact_ids))
+        at = cache.get_seq_length()  # where the facts go
+        self.inject(cache, fact_ids)
         if recompute_first:
-            positions, at = [], start
+            positions = []
             for fact in self._facts(fact_ids):
                 positions += range(at, at + min(recompute_first, len(fact.token_ids)))
                 at += len(fact.token_ids)
@@ -474,13 +481,8 @@ class FactMemory:
             raise InvalidArgumentError(f"question={question!r} has no tokens; a prompt needs one")
         if not self.prefix_ids and not facts:
             raise InvalidArgumentError("no prefix and no facts: there is no K/V to give")
-        self._resident([f.id for f in facts])  # any read from the store first: views then hold
-        parts = ([self.prefix_kv()] if self.prefix_ids else []) + [self.kv(f.id) for f in facts]
-        device = next(self.model.parameters()).device
-        keys = torch.cat([k.to(device) for k, _ in parts], dim=1)  # [L, n, H_kv, D], at 0
-        values = torch.cat([v.to(device) for _, v in parts], dim=1)
-        positions = torch.arange(keys.shape[1], device=device)
-        return ids, (rotate_keys_by(keys, positions, self.rotary).contiguous(), values)
+        keys, values = self._kv_at(facts, 0, with_prefix=bool(self.prefix_ids))
+        return ids, (keys.contiguous(), values)
 
     def _facts(self, fact_ids: Sequence[str]) -> list[Fact]:
         if isinstance(fact_ids, str):
