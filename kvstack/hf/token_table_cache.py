@@ -187,11 +187,12 @@ class TokenTableLayer(PagedLayer):
         batch = self.batch
         blocks = len(batch.blocks[index])
         needed = math.ceil(batch.num_live[index] / self.block_size)
-        # The arena reservation (``blocks_to_reserve``) counts one spare block per table beyond
-        # what its live tokens need. A decode evicts one token and the next append fills its
-        # slot, so only a multi-token eviction (a prefill chunk's) leaves more holes than that:
-        # such a table is repacked whatever its waste, so the reservation holds.
-        over_reservation = blocks > needed + 1
+        # The arena reservation (``blocks_to_reserve``) counts, per table, the blocks of its
+        # budget plus the one token a decode step appends before it evicts. Appends fill freed
+        # slots before they take a block, so a decode (one token in, one out) never needs more;
+        # only a multi-token eviction (a prefill chunk's) can leave a table holding more blocks
+        # than that: such a table is repacked whatever its waste, so the reservation holds.
+        over_reservation = blocks > self.cache.steady_blocks_per_table(self.budgets[index])
         # plan_repack's own conditions, checked first so that most tables cost no copy.
         if blocks <= needed or (
             not over_reservation and batch.waste(index) <= self.cache.repack_threshold
@@ -307,15 +308,20 @@ class TokenTableCache(PagedCache):
         return max(self.policy.min_budget(), math.ceil(self.ratio * prompt_tokens))
 
     def blocks_to_reserve(self, tables: int, prompt_tokens: int) -> int:
-        """Every layer's tables at their budget (one block of decode slack each), plus one
-        layer's prefill in flight: a chunk (or the whole prompt) before it evicts."""
+        """Every layer's tables at their budget (and the one token a decode step appends before
+        it evicts), plus one layer's prefill in flight: a chunk (or the whole prompt) before it evicts."""
         in_flight = min(prompt_tokens, self.prefill_chunk or prompt_tokens)
         return self._steady_blocks(tables, prompt_tokens) + tables * math.ceil(
             in_flight / self.block_size
         )
 
+    def steady_blocks_per_table(self, budget: int) -> int:
+        """Blocks a table of ``budget`` live tokens holds once its prefill is in: its budget and
+        the token a decode step appends before it evicts one (a forced repack keeps it so)."""
+        return math.ceil((budget + 1) / self.block_size)
+
     def _steady_blocks(self, tables: int, prompt_tokens: int) -> int:
-        per_table = math.ceil((self.budget_for(prompt_tokens) + 1) / self.block_size) + 1
+        per_table = self.steady_blocks_per_table(self.budget_for(prompt_tokens))
         return len(self.paged_layers) * tables * per_table
 
     def reserve_for_prompt(self, tables: int, prompt_tokens: int, block_bytes: int) -> None:
