@@ -40,9 +40,20 @@ what the device held at the end (tier bytes plus tails ÷ the KV).
   the whole conversation with ``DynamicCache`` ÷ resuming its saved pages from disk
   (``TieredCache.resume``, then prefill of the new turn only).
 * ``tiers.tokens_equal_dynamic``: of the tiered runs, those whose tokens equal DynamicCache's.
+* ``tiers.recompute.*``: lossless recompute (AsymCache) when the tiers hold only half the KV: a
+  quarter on device, a quarter on host, no disk, ``TieredCache(recompute_with=model)``; the
+  other half is dropped and computed again from its tokens at every step that reads it (one
+  forward of the model over the span from the first dropped block to the last, on the pages
+  before it). ``decode_speed_ratio.cost_vs_lru``: decode tokens/s with the cost-aware rule
+  (it drops the pages cheapest to recompute: the earliest positions, so the span is short and
+  starts at 0) ÷ with LRU (it drops the pages read longest ago in the step: the first layers'
+  pages of every position, so the span reaches far). ``tokens_per_step.{cost,lru}``: tokens
+  recomputed per decode step; ``dropped_fraction``: pages dropped ÷ pages, at the end of the
+  cost-aware run; ``tokens_equal_dynamic``: runs whose tokens equal DynamicCache's.
+  ``OVERFLOW_DECODE_TOKENS`` decode steps after the same prompt, medians of the rounds.
 
 Not measured yet (the tiers are not under the engine): the cost-vs-LRU TTFT of a multi-turn
-trace and the scheduler's bytes per token against FIFO.
+trace on the engine and the scheduler's bytes per token against FIFO.
 """
 
 from __future__ import annotations
@@ -78,6 +89,8 @@ DEVICE_SHARE, HOST_SHARE = 0.25, 0.25
 REPEATS = 5
 BLOCK_SIZE, QUICK_BLOCK_SIZE = 64, 8  # tokens per page
 SWEEP_BLOCK_SIZES, QUICK_SWEEP_BLOCK_SIZES = (16, 128), (4, 16)
+OVERFLOW_DECODE_TOKENS, QUICK_OVERFLOW_DECODE_TOKENS = 8, 2
+OVERFLOW_RULES = ("cost", "lru")
 
 
 def _prompt(tokenizer: Any, tokens: int) -> torch.Tensor:
@@ -289,6 +302,43 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         if isinstance(state["cache"], TieredCache):
             state["cache"].close()
 
+    overflow_steps = QUICK_OVERFLOW_DECODE_TOKENS if quick else OVERFLOW_DECODE_TOKENS
+    log(f"recompute: the tiers hold half the KV, {overflow_steps} decode steps")
+    overflow = _recompute_overflow(model, ids, overflow_steps, kv_bytes, repeats, block_size)
+    overflow_speed = {
+        policy: overflow_steps / statistics.median(seconds)
+        for policy, seconds in overflow["seconds"].items()
+    }
+    for policy, value in overflow_speed.items():
+        log(f"  recompute, {policy}: {value:.2f} decode tokens/s")
+    figures["tiers.recompute.decode_speed_ratio.cost_vs_lru"] = Figure(
+        overflow_speed["cost"] / overflow_speed["lru"],
+        "ratio",
+        "decode tokens/s, TieredCache(recompute_with=model) with a quarter of the KV on device, "
+        "a quarter on host and the rest dropped and recomputed when read: cost-aware ÷ LRU "
+        "(same cache otherwise)",
+    )
+    for policy in OVERFLOW_RULES:
+        figures[f"tiers.recompute.tokens_per_step.{policy}"] = Figure(
+            overflow["runs"][policy][-1]["recomputed_tokens"] / overflow_steps,
+            "tokens",
+            f"tokens recomputed per decode step in that run ({policy})",
+        )
+    cost_run = overflow["runs"]["cost"][-1]
+    figures["tiers.recompute.dropped_fraction"] = Figure(
+        cost_run["pages_dropped"] / (cost_run["pages"] + cost_run["pages_dropped"]),
+        "fraction",
+        "pages dropped from every tier ÷ pages, at the end of the cost-aware run",
+    )
+    overflow_runs = [r for runs_ in overflow["runs"].values() for r in runs_]
+    figures["tiers.recompute.tokens_equal_dynamic"] = Figure(
+        sum(r["tokens"] == reference[: len(r["tokens"])] for r in overflow_runs)
+        / len(overflow_runs),
+        "fraction",
+        "of the recompute runs, those whose tokens equal DynamicCache's",
+        (">=", 1.0),
+    )
+
     log("resume: a saved conversation's next turn, against re-prefilling it")
     resume_seconds, reprefill_seconds, resume_equal = _resume(
         model,
@@ -333,6 +383,8 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         "decode_tokens_per_second": speed,
         "resume_seconds": resume_seconds,
         "reprefill_seconds": reprefill_seconds,
+        "overflow_decode_tokens": overflow_steps,
+        "overflow_decode_tokens_per_second": overflow_speed,
         "runs": {name: rs[-1] | {"tokens": None} for name, rs in finished.items()},
     }
     return Measured(
@@ -361,6 +413,70 @@ def _summary(state: dict[str, Any]) -> dict[str, Any]:
             "device_attention_share": stats["device_attention_share"],
         }
     return summary
+
+
+def _recompute_overflow(
+    model: Any, ids: torch.Tensor, steps: int, kv_bytes: int, repeats: int, block_size: int
+) -> dict[str, Any]:
+    """Decode ``steps`` tokens after ``ids`` with tiers holding half the KV and lossless
+    recompute, under each of ``OVERFLOW_RULES``, interleaved; each round starts from a fresh
+    cache prefilled untimed. Returns the seconds of each rule's rounds and each round's
+    tokens, recomputed tokens (decode only), and pages stored and dropped at its end."""
+    from kvstack.tiers import TieredCache
+
+    prepared: dict[str, dict[str, Any]] = {}
+
+    def prepare(round_index: int | None) -> None:
+        for policy in OVERFLOW_RULES:
+            old = prepared.pop(policy, None)
+            if old is not None:
+                old["cache"].close()
+            cache = TieredCache(
+                model.config,
+                device_budget=device_tier_budget(model, kv_bytes, DEVICE_SHARE, block_size),
+                host_budget=int(HOST_SHARE * kv_bytes),
+                policy=policy,
+                block_size=block_size,
+                recompute_with=model,
+            )
+            with torch.inference_mode():
+                logits = model(ids, past_key_values=cache, use_cache=True).logits
+            prepared[policy] = {
+                "cache": cache,
+                "tokens": [int(logits[0, -1].argmax())],
+                "recomputed_at_prefill": cache.recomputed_tokens,
+            }
+
+    runs: dict[str, list[dict[str, Any]]] = {policy: [] for policy in OVERFLOW_RULES}
+
+    def timed(policy: str) -> Callable[[], None]:
+        def run() -> None:
+            state = prepared[policy]
+            cache, tokens = state["cache"], state["tokens"]
+            with torch.inference_mode():
+                for _ in range(steps):
+                    step = torch.tensor([[tokens[-1]]])
+                    logits = model(step, past_key_values=cache, use_cache=True).logits
+                    tokens.append(int(logits[0, -1].argmax()))
+            stats = cache.stats()
+            runs[policy].append(
+                {
+                    "tokens": list(tokens),
+                    "recomputed_tokens": stats["recomputed_tokens"]
+                    - state["recomputed_at_prefill"],
+                    "pages": stats["pages"],
+                    "pages_dropped": stats["pages_dropped"],
+                }
+            )
+
+        return run
+
+    timings = time_interleaved(
+        {policy: timed(policy) for policy in OVERFLOW_RULES}, repeats, warmup=0, on_round=prepare
+    )
+    for state in prepared.values():
+        state["cache"].close()
+    return {"seconds": timings.seconds, "runs": runs}
 
 
 def _resume(
@@ -449,6 +565,17 @@ def readme_tables(results: dict) -> dict[str, str]:
         + ", ".join(f"{name} {format_value(v, 'tok/s')}" for name, v in speeds.items())
         + f". Next turn: {w['next_turn_tokens']} tokens."
     )
+    if "overflow_decode_tokens" in w:
+        workload += (
+            f" Recompute runs: the same prompt, {w['overflow_decode_tokens']} decode steps, a "
+            f"quarter of the KV on device and a quarter on host, the rest dropped and recomputed; "
+            "decode tokens/s: "
+            + ", ".join(
+                f"{name} {format_value(v, 'tok/s')}"
+                for name, v in w["overflow_decode_tokens_per_second"].items()
+            )
+            + "."
+        )
     return {"tiers": figure_table(results, names) + "\n\n" + workload}
 
 

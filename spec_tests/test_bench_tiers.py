@@ -35,8 +35,18 @@ def test_the_quick_run_measures_every_figure_and_its_tiered_tokens_are_exact(qui
         "tiers.tokens_equal_dynamic",
         "tiers.resume_speedup",
         "tiers.resume_tokens_equal",
+        "tiers.recompute.decode_speed_ratio.cost_vs_lru",
+        "tiers.recompute.tokens_per_step.cost",
+        "tiers.recompute.tokens_per_step.lru",
+        "tiers.recompute.dropped_fraction",
+        "tiers.recompute.tokens_equal_dynamic",
     }
     assert figures["tiers.tokens_equal_dynamic"].value == 1.0
+    assert figures["tiers.recompute.tokens_equal_dynamic"].value == 1.0
+    # Half the KV is dropped: every decode step recomputes some of it, under either rule.
+    assert 0 < figures["tiers.recompute.dropped_fraction"].value < 1
+    for policy in ("cost", "lru"):
+        assert figures[f"tiers.recompute.tokens_per_step.{policy}"].value > 0
     assert figures["tiers.resume_tokens_equal"].value == 1.0
     # With a quarter of the KV on device, decode must read pages from host or disk.
     assert figures["tiers.bytes_per_token.cost"].value > 0

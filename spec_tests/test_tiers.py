@@ -287,10 +287,12 @@ def test_the_attention_and_cost_rules_rank_as_their_papers_say():
 class TieredStoreMachine(RuleBasedStateMachine):
     """Random puts, reads, prefetches, moves, deletes and rule changes on small budgets, against
     a dict of what each key should hold: every read returns its page bit for bit, and
-    ``TieredStore.check`` holds after every step (including steps that raise ``TierFull``)."""
+    ``TieredStore.check`` holds after every step (including steps that raise ``TierFull``).
+    With ``may_drop`` (lossless recompute), a full disk drops KV pages, never others, and a
+    dropped page is named in ``dropped`` until it is deleted; without it nothing is dropped."""
 
-    @initialize(rule_name=st.sampled_from(["lru", "attention", "cost"]))
-    def start(self, rule_name):
+    @initialize(rule_name=st.sampled_from(["lru", "attention", "cost"]), may_drop=st.booleans())
+    def start(self, rule_name, may_drop):
         import tempfile
 
         from kvstack.tiers import RULES
@@ -305,23 +307,38 @@ class TieredStoreMachine(RuleBasedStateMachine):
             disk_bytes=4 * file_size,
             rule=RULES[rule_name](),
             min_page_bytes=size,
+            may_drop=may_drop,
         )
         self.model: dict[str, dict[str, torch.Tensor]] = {}
+        self.kv_pages: set[str] = set()  # keys stored with tokens > 0
+        self.dropped: set[str] = set()
         self.next_seed = 0
+
+    def sync_dropped(self):
+        """Pages the last operation dropped leave the model: they hold no bytes any more."""
+        for key in [k for k in self.model if k in self.store.dropped]:
+            del self.model[key]
+            self.dropped.add(key)
 
     def teardown(self):
         self.directory.cleanup()
 
-    @rule(tier=st.sampled_from(["device", "host", "disk"]))
-    def put(self, tier):
+    @rule(tier=st.sampled_from(["device", "host", "disk"]), kv=st.booleans())
+    def put(self, tier, kv):
         key, page = f"p{self.next_seed:02d}", kv_page(self.next_seed)
         self.next_seed += 1
         try:
-            self.store.put(key, page, tier=tier, position=16 * self.next_seed, tokens=4)
+            self.store.put(
+                key, page, tier=tier, position=16 * self.next_seed, tokens=4 if kv else 0
+            )
         except TierFull:
             assert key not in self.store.pages
             return
+        finally:
+            self.sync_dropped()
         self.model[key] = page
+        if kv:
+            self.kv_pages.add(key)
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
@@ -340,6 +357,8 @@ class TieredStoreMachine(RuleBasedStateMachine):
             (self.store.copy if as_copy else self.store.move)(key, tier)
         except TierFull:
             assert key in self.store.pages and home in self.store.tiers_of(key)
+        finally:
+            self.sync_dropped()
 
     @precondition(lambda self: self.model)
     @rule(data=st.data(), mass=st.floats(0, 1))
@@ -353,11 +372,20 @@ class TieredStoreMachine(RuleBasedStateMachine):
         self.store.delete(key)
         del self.model[key]
 
+    @precondition(lambda self: self.dropped)
+    @rule(data=st.data())
+    def delete_dropped(self, data):
+        key = data.draw(st.sampled_from(sorted(self.dropped)))
+        self.store.delete(key)
+        self.dropped.remove(key)
+
     @invariant()
     def consistent(self):
         if hasattr(self, "store"):
             self.store.check()
             assert set(self.store.pages) == set(self.model)
+            assert set(self.store.dropped) == self.dropped <= self.kv_pages
+            assert self.store.may_drop or not self.dropped
 
 
 TestTieredStoreMachine = TieredStoreMachine.TestCase

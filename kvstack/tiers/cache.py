@@ -31,6 +31,18 @@ running average of those scores first (KVDrive); ``track_attention=True`` scores
 them (each is a small matmul per layer and step), and such a cache refuses a config on another
 attention.
 
+**Lossless recompute** (``recompute_with=model``, AsymCache): when every tier is full, the lowest
+tier on drops pages instead of refusing the step (``TierFull``), in the eviction rule's order
+with ``demote_to=None`` (the cost-aware rule then drops the pages cheapest to recompute: the
+earliest positions). A dropped page is computed again from its tokens when a layer reads it:
+one forward of the model over the tokens from the first dropped block to the last, on a
+``DynamicCache`` holding every layer's pages before them, gives the dropped pages of this and
+every later layer (kept until those layers read them in this step, then freed: a dropped page
+is recomputed at every step that reads it, never stored again, so the tiers' budgets hold).
+The cache learns the tokens from a forward pre-hook on ``model`` (each step's ``input_ids``);
+rows with padding and ``inputs_embeds`` are refused, before anything changes. The recompute
+forward holds that span's K/V for every layer: transient device memory beside the budgets.
+
 Hybrid models (Jamba, Bamba, Qwen3-Next, LFM2, NemotronH): their state layers keep transformers'
 own ``LinearAttentionLayer`` on the device (fixed-size conv and recurrent states, rewritten every
 step); ``save()`` writes each one's states as a page beside the KV, and ``resume()`` restores
@@ -40,8 +52,12 @@ miss (deleted, and ``generate`` recomputes it), never K/V continued from zeroed 
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
+import time
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +73,7 @@ from transformers.cache_utils import (
 from kvstack.arena import parse_bytes
 from kvstack.errors import InvalidArgumentError, KVStackError, PageCorrupted, TierFull
 from kvstack.tiers import attention as tiers_attention
-from kvstack.tiers.disk import page_nbytes
+from kvstack.tiers.disk import Page, page_nbytes
 from kvstack.tiers.eviction import RULES, EvictionRule
 from kvstack.tiers.prefetch import Prefetcher
 from kvstack.tiers.store import TieredStore
@@ -113,6 +129,19 @@ def _token_list(token_ids: torch.Tensor | list[int]) -> list[int]:
             )
         return [int(t) for t in token_ids.tolist()]
     return [int(t) for t in token_ids]
+
+
+def _record_step_ids(
+    cache_ref: weakref.ref, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]
+) -> None:
+    """``recompute_with``'s forward pre-hook: hand the step's ids to the cache it runs on."""
+    cache = cache_ref()
+    # transformers >= 5.24 names the model's cache argument ``cache``, earlier ones
+    # ``past_key_values`` (still accepted, with a warning).
+    if cache is None or kwargs.get("cache", kwargs.get("past_key_values")) is not cache:
+        return
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    cache.note_step_ids(ids, kwargs.get("attention_mask"), kwargs.get("position_ids"))
 
 
 class TieredLayer(CacheLayerMixin):
@@ -176,13 +205,7 @@ class TieredLayer(CacheLayerMixin):
         # The tail is copied out so it does not keep this step's whole K/V alive.
         self.tail_keys = keys[..., full * block :, :].clone()
         self.tail_values = values[..., full * block :, :].clone()
-        pages = []
-        for key, (page, tier) in zip(
-            self.page_keys, self.cache.prefetcher.take_all(self.page_keys), strict=True
-        ):
-            if tier != "device":  # room above (after a resume, or pages deleted): move it up
-                self.cache.store.promote(key, page)
-            pages.append(page)
+        pages = self.cache.read_layer_pages(self)
         self.cache.note_layer_pages(pages)
         self.cache.prefetch_after(self.layer_idx)
         all_keys = torch.cat([p["k"] for p in pages] + [self.tail_keys], dim=-2)  # [B, H, seen, D]
@@ -234,7 +257,9 @@ class TieredCache(Cache):
     ``device_budget``, ``host_budget`` and ``disk_budget`` are bytes (an int or a string such as
     ``"4MiB"``); ``policy`` is ``"lru"``, ``"attention"``, ``"cost"`` or an eviction rule object;
     ``placement`` is ``"recency"`` or ``"attention"``; ``track_attention`` scores decode steps
-    for ``stats()["device_attention_share"]`` (see the module docstring).
+    for ``stats()["device_attention_share"]`` (see the module docstring). ``recompute_with``:
+    the model, for lossless recompute (when every tier is full, pages are dropped and computed
+    again when read, instead of ``TierFull``).
     """
 
     def __init__(
@@ -251,6 +276,7 @@ class TieredCache(Cache):
         block_size: int = 16,
         device: str | torch.device = "cpu",
         prefetch_workers: int = 1,
+        recompute_with: torch.nn.Module | None = None,
         _resuming: bool = False,
     ) -> None:
         default_layers = DynamicCache(config=config).layers  # checked before anything is built
@@ -261,6 +287,18 @@ class TieredCache(Cache):
                     f"layer {index} is a {type(layer).__name__}; TieredCache supports full "
                     "attention layers and state layers (LinearAttentionLayer: Mamba, gated "
                     "delta-net, short conv), not sliding windows or layers holding both"
+                )
+        if recompute_with is not None:
+            if not isinstance(recompute_with, torch.nn.Module):
+                raise InvalidArgumentError(
+                    f"recompute_with={type(recompute_with).__name__}; expected the model (a "
+                    "torch.nn.Module) whose K/V this cache holds"
+                )
+            if any(type(layer) is LinearAttentionLayer for layer in default_layers):
+                raise KVStackError(
+                    "recompute_with: a dropped page is recomputed from the K/V of the tokens "
+                    "before it, but a hybrid model's state layers would need their recurrent "
+                    "state at that position, which is not kept; use recompute_with=None"
                 )
         if not any(type(layer) is DynamicLayer for layer in default_layers):
             raise KVStackError(
@@ -329,6 +367,7 @@ class TieredCache(Cache):
             device=device,
             rule=policy,
             min_page_bytes=self.page_bytes,
+            may_drop=recompute_with is not None,
         )
         disk = self.store.disk
         if disk is not None and not _resuming and (disk.keys() or disk.read_record(MANIFEST)):
@@ -358,6 +397,21 @@ class TieredCache(Cache):
         self._prefill_shares: dict[str, float] = {}
         self._device_share_sum = 0.0
         self._device_share_count = 0
+        # Lossless recompute: the model, the ids of every token fed so far ([B, n]), the pages
+        # recomputed for layers that have not read them yet in this step, and what it cost.
+        self._config = config
+        self._recompute_model = recompute_with
+        self._token_ids: torch.Tensor | None = None
+        self._recomputed: dict[str, Page] = {}
+        self.recomputes = 0
+        self.recomputed_tokens = 0
+        self.recompute_seconds = 0.0
+        if recompute_with is not None:
+            # The hook holds the cache weakly; it is removed when the cache goes.
+            hook = recompute_with.register_forward_pre_hook(
+                functools.partial(_record_step_ids, weakref.ref(self)), with_kwargs=True
+            )
+            weakref.finalize(self, hook.remove)
 
     def attention_needed(self) -> str:
         """Why this cache needs the ``"kvstack_tiers"`` attention, and how to give it."""
@@ -394,10 +448,130 @@ class TieredCache(Cache):
         self._device_share_count += 1
 
     def prefetch_after(self, layer_idx: int) -> None:
-        """Fetch the next layer's pages (after the last layer: the first, for the next step)."""
+        """Fetch the next layer's pages (after the last layer: the first, for the next step);
+        dropped pages are recomputed when read, not fetched."""
         later = [layer for layer in self.attention_layers if layer.layer_idx > layer_idx]
         following = later[0] if later else self.attention_layers[0]
-        self.prefetcher.prefetch(list(following.page_keys))
+        dropped = self.store.dropped_among(following.page_keys) if self.store.may_drop else set()
+        self.prefetcher.prefetch([key for key in following.page_keys if key not in dropped])
+
+    def read_layer_pages(self, layer: TieredLayer) -> list[Page]:
+        """Every page of ``layer``, in order, on the device: from the device tier, fetched
+        (a page with room above moves up: after a resume, or pages deleted), or recomputed
+        (dropped from every tier)."""
+        keys = layer.page_keys
+        dropped = self.store.dropped_among(keys) if self.store.may_drop else set()
+        self.prefetcher.forget(dropped)
+        present = [key for key in keys if key not in dropped]
+        taken = dict(zip(present, self.prefetcher.take_all(present), strict=True))
+        for key, (page, tier) in taken.items():
+            if tier != "device":
+                self.store.promote(key, page)
+        if dropped - self._recomputed.keys():
+            self._recompute(layer)
+        return [taken[key][0] if key in taken else self._recomputed.pop(key) for key in keys]
+
+    def note_step_ids(
+        self, input_ids: torch.Tensor | None, attention_mask: Any, position_ids: Any = None
+    ) -> None:
+        """Record a step's token ids before the model runs it (``recompute_with``'s forward
+        pre-hook): what a dropped page is recomputed from. Refuses, changing nothing, a step it
+        could not recompute."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise InvalidArgumentError(
+                "TieredCache(recompute_with=model) recomputes dropped pages from each step's "
+                f"input_ids; got input_ids={type(input_ids).__name__} (inputs_embeds are not "
+                "supported); expected a [batch, tokens] tensor"
+            )
+        if isinstance(attention_mask, torch.Tensor) and not bool(attention_mask.all()):
+            raise InvalidArgumentError(
+                "TieredCache(recompute_with=model) recomputes a page of every row at once; "
+                "rows with padding (zeros in attention_mask) are not supported"
+            )
+        seen = self.get_seq_length()
+        if isinstance(position_ids, torch.Tensor):
+            # A recompute gives the tokens the positions that follow the K/V before them.
+            expected = torch.arange(seen, seen + input_ids.shape[1], device=position_ids.device)
+            if position_ids.shape[-1] != input_ids.shape[1] or not bool(
+                (position_ids == expected).all()
+            ):
+                raise InvalidArgumentError(
+                    "TieredCache(recompute_with=model) recomputes a page at the positions that "
+                    f"follow the tokens before it; this step's position_ids are not {seen}, "
+                    f"{seen + 1}, ... (rows with padding are not supported)"
+                )
+        recorded = 0 if self._token_ids is None else self._token_ids.shape[1]
+        if recorded != seen:
+            raise KVStackError(
+                f"TieredCache(recompute_with=model) knows the ids of {recorded} tokens but holds "
+                f"the K/V of {seen}: a step reached it through another module than the model "
+                "it was built with"
+            )
+        ids = input_ids.detach().to("cpu", torch.long)
+        self._token_ids = ids if self._token_ids is None else torch.cat([self._token_ids, ids], 1)
+
+    def _recompute(self, requesting: TieredLayer) -> None:
+        """One forward over the tokens of every dropped page, from the first dropped block to
+        the last, on a ``DynamicCache`` holding every layer's pages before them; keeps the
+        dropped pages of ``requesting`` and the layers after it (those before it have read this
+        step's pages) in ``_recomputed``."""
+        start = time.perf_counter()
+        block = self.block_size
+        dropped = {}  # layer -> indices of its dropped blocks, ascending
+        for layer in self.attention_layers:
+            gone = self.store.dropped_among(layer.page_keys)
+            dropped[layer] = [i for i, key in enumerate(layer.page_keys) if key in gone]
+        # The span ends at the last page a layer still to read this step needs, and starts at
+        # the first page any layer lacks: the forward needs every layer's pages before it. A
+        # layer that has not stored this step's blocks yet (a long prefill) holds fewer pages,
+        # and the span starts earlier.
+        last = max(
+            blocks[-1]
+            for layer, blocks in dropped.items()
+            if blocks and layer.layer_idx >= requesting.layer_idx
+        )
+        first = min(
+            [blocks[0] for blocks in dropped.values() if blocks]
+            + [len(layer.page_keys) for layer in self.attention_layers]
+        )
+        ids = self._token_ids
+        if ids is None or ids.shape[1] < (last + 1) * block:
+            raise KVStackError(
+                f"TieredCache: page {last} of a layer was dropped, but the cache knows the ids "
+                f"of {0 if ids is None else ids.shape[1]} tokens; expected at least "
+                f"{(last + 1) * block}"
+            )
+        prefix = DynamicCache(config=self._config)
+        if first:
+            for layer in self.attention_layers:
+                pages = [self.store.peek(key)[0] for key in layer.page_keys[:first]]
+                keys = torch.cat([p["k"] for p in pages], dim=-2).to(self.device)  # [B, H, T, D]
+                values = torch.cat([p["v"] for p in pages], dim=-2).to(self.device)
+                prefix.update(keys, values, layer.layer_idx)
+        model = self._recompute_model
+        backbone = getattr(model, "base_model", model)  # no logits needed, only the K/V
+        span = ids[:, first * block : (last + 1) * block].to(self.device)  # [B, span]
+        cache_kwarg = (
+            "cache"
+            if "cache" in inspect.signature(type(backbone).forward).parameters
+            else "past_key_values"
+        )
+        with torch.no_grad():
+            backbone(input_ids=span, use_cache=True, **{cache_kwarg: prefix})
+        for layer, blocks in dropped.items():
+            if layer.layer_idx < requesting.layer_idx:
+                continue
+            computed = prefix.layers[layer.layer_idx]  # [B, H, last + 1 blocks, D] each
+            keys, values = computed.keys, computed.values
+            for index in blocks:
+                cut = slice(index * block, (index + 1) * block)
+                self._recomputed[layer.page_keys[index]] = {
+                    "k": keys[..., cut, :].clone(),
+                    "v": values[..., cut, :].clone(),
+                }
+        self.recomputes += 1
+        self.recomputed_tokens += span.shape[1]
+        self.recompute_seconds += time.perf_counter() - start
 
     def note_layer_pages(self, pages: list[dict[str, torch.Tensor]]) -> None:
         """Track the most page bytes one layer gathered for its attention (device-tier pages
@@ -455,6 +629,9 @@ class TieredCache(Cache):
             "transfer_seconds": self.prefetcher.transfer_seconds,
             "stall_seconds": self.prefetcher.stall_seconds,
             "overlap_fraction": self.prefetcher.overlap_fraction,
+            "recomputes": self.recomputes,
+            "recomputed_tokens": self.recomputed_tokens,
+            "recompute_seconds": self.recompute_seconds,
             # Mean over decode steps and layers; None unless the cache asks for scores.
             "device_attention_share": (
                 self._device_share_sum / self._device_share_count
@@ -490,6 +667,12 @@ class TieredCache(Cache):
         if self.store.disk is None:
             raise InvalidArgumentError(
                 "save() needs a disk tier; build the cache with disk_path and disk_budget"
+            )
+        if self.store.dropped:
+            raise InvalidArgumentError(
+                f"save(): {len(self.store.dropped)} pages were dropped from every tier (they are "
+                "recomputed when read); a saved conversation holds every page: give the disk "
+                "tier room for all of them"
             )
         ids = _token_list(token_ids)
         seen = self.get_seq_length()
@@ -699,6 +882,8 @@ class TieredCache(Cache):
             cache.store.adopt_disk_page(entry["state"], page_nbytes(page))  # kept, as the tails
             cache._saved_keys.add(entry["state"])
         cache._save_serial = record.get("serial", 0)
+        if cache._recompute_model is not None and saved:
+            cache._token_ids = torch.tensor([saved], dtype=torch.long)  # [1, n]
         cache.prefetch_after(-1)  # the first layer's pages, for the first step
         return cache
 
@@ -752,6 +937,8 @@ class TieredCache(Cache):
         must survive); pending fetches are drained first (page keys are reused)."""
         self.prefetcher.drain()
         super().reset()
+        self._token_ids = None
+        self._recomputed = {}
         for key in self._saved_keys:  # the saved tails and states
             if key in self.store.pages:
                 self.store.delete(key)

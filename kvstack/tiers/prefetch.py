@@ -58,6 +58,12 @@ class Prefetcher:
                 future.set_exception(error)
             raise
 
+    def forget(self, keys: set[str] | list[str]) -> None:
+        """Stop waiting for ``keys`` (pages dropped from every tier since they were handed
+        out: their fetches complete or fail on the worker, and nobody takes them)."""
+        for key in keys:
+            self._pending.pop(key, None)
+
     def _fetch_batch(self, batch: list[tuple[str, Future]]) -> None:
         for key, future in batch:
             if not future.set_running_or_notify_cancel():

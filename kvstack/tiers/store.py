@@ -8,7 +8,11 @@ on device of a page whose home is host or disk). The rules that keep a page from
   disk, a killed process) leaves the page at its old home, whole.
 * **Copies go before homes.** Making room in a tier drops copies first (their home still holds
   the page), then demotes homed pages one tier down in the order of the store's eviction rule
-  (``kvstack.tiers.eviction``). A page is never dropped from its last tier.
+  (``kvstack.tiers.eviction``). A page is never dropped from its last tier, unless the store
+  was built with ``may_drop=True`` (lossless recompute: its owner can compute a dropped KV page
+  again from its tokens). Then the lowest tier on makes room by **dropping** pages in the
+  rule's order (``demote_to=None``: the rule prices recomputing them); only KV pages
+  (``tokens > 0``) are dropped, and the store remembers what it knew of each (``dropped``).
 * **Reads are checked.** Pages read from disk are verified against their checksum
   (``DiskTier``); a corrupt page raises ``PageCorrupted`` and is never returned.
 
@@ -64,9 +68,11 @@ class TieredStore:
         device: str | torch.device = "cpu",
         rule: EvictionRule | None = None,
         min_page_bytes: int = 1,
+        may_drop: bool = False,
     ) -> None:
         """``min_page_bytes``: the smallest page the caller will store; a budget that cannot
-        hold one (other than a zero budget, which switches the tier off) is refused."""
+        hold one (other than a zero budget, which switches the tier off) is refused.
+        ``may_drop``: the lowest tier on drops KV pages when full (see the module docstring)."""
         budgets = {"device": device_bytes, "host": host_bytes, "disk": disk_bytes}
         for tier, budget in budgets.items():
             if not isinstance(budget, int) or budget < 0:
@@ -78,6 +84,8 @@ class TieredStore:
                     f"{tier}_bytes={budget} cannot hold one page of {min_page_bytes} bytes; "
                     f"expected 0 (tier off) or at least {min_page_bytes}"
                 )
+        if not isinstance(may_drop, bool):
+            raise InvalidArgumentError(f"may_drop={may_drop!r}; expected a bool")
         if disk_bytes and disk_path is None:
             raise InvalidArgumentError(f"disk_bytes={disk_bytes} needs a disk_path; got None")
         self.device = torch.device(device)
@@ -87,6 +95,11 @@ class TieredStore:
         self._memory: dict[str, dict[str, Page]] = {"device": {}, "host": {}}  # tier -> key -> page
         self._used = {"device": 0, "host": 0}
         self.pages: dict[str, PageInfo] = {}
+        self.may_drop = may_drop
+        self.dropped: dict[str, PageInfo] = {}  # dropped from every tier, as they were known
+        self.drops = 0  # pages dropped so far
+        # Pages being copied: the room their copy needs may demote them, never drop them.
+        self._copying: set[str] = set()
         self.clock = 0  # advanced by every read: the rules' notion of time
         self.bytes_moved: Counter[str] = Counter()  # "device->host" -> bytes
         self.hits: Counter[str] = Counter()  # tier that served a read -> reads
@@ -112,6 +125,8 @@ class TieredStore:
             "pages_homed": {t: sum(p.home == t for p in self.pages.values()) for t in TIERS},
             "bytes_moved": dict(self.bytes_moved),
             "hits": {t: self.hits[t] for t in TIERS},
+            "pages_dropped": len(self.dropped),
+            "drops": self.drops,
         }
 
     # ------------------------------------------------------------------ writes
@@ -133,7 +148,7 @@ class TieredStore:
                 f"page for {key!r} is {type(page).__name__} {page!r:.80}; expected a non-empty "
                 "dict of name -> tensor"
             )
-        if key in self.pages:
+        if key in self.pages or key in self.dropped:
             raise InvalidArgumentError(f"page key {key!r} is already stored; expected a new key")
         info = PageInfo(key, page_nbytes(page), tier, position=position, tokens=tokens)
         info.stored_at = info.last_used = self.clock
@@ -162,9 +177,14 @@ class TieredStore:
         return self.disk.read_opened(key, handle), tier
 
     @_locked
-    def homes(self, keys: list[str]) -> dict[str, str]:
-        """Each key's home tier, under one lock."""
-        return {key: self._info(key).home for key in keys}
+    def homes(self, keys: list[str]) -> dict[str, str | None]:
+        """Each key's home tier (None: dropped from every tier), under one lock."""
+        return {key: None if key in self.dropped else self._info(key).home for key in keys}
+
+    @_locked
+    def dropped_among(self, keys: list[str]) -> set[str]:
+        """The keys among ``keys`` that were dropped from every tier, under one lock."""
+        return {key for key in keys if key in self.dropped}
 
     @_locked
     def device_pages(self, keys: list[str]) -> dict[str, Page]:
@@ -209,7 +229,11 @@ class TieredStore:
         page = self._read(source, key)
         # (Making room may demote the source page itself meanwhile; the move is counted from
         # where its bytes were read.)
-        self._write(tier, info, page, protect=key)
+        self._copying.add(key)
+        try:
+            self._write(tier, info, page, protect=key)
+        finally:
+            self._copying.discard(key)
         info.copies.add(tier)
         self.bytes_moved[f"{source}->{tier}"] += info.nbytes
 
@@ -257,14 +281,35 @@ class TieredStore:
 
     @_locked
     def delete(self, key: str) -> None:
+        if self.dropped.pop(key, None) is not None:  # no tier holds it
+            return
         info = self.pages.pop(key)
         for tier in (info.home, *info.copies):
             self._erase(tier, key)
 
     @_locked
-    def observe_attention(self, key: str, mass: float, decay: float = 0.5) -> None:
-        """Fold a step's attention mass on the page's tokens into its running average."""
+    def drop(self, key: str) -> None:
+        """Remove a KV page from every tier, remembering it in ``dropped`` (``may_drop``
+        stores only: their owner recomputes it from its tokens when it is read)."""
         info = self._info(key)
+        if not self.may_drop or not info.tokens:
+            raise InvalidArgumentError(
+                f"page {key!r} cannot be dropped: the store was built with may_drop="
+                f"{self.may_drop} and the page holds {info.tokens} tokens; expected may_drop=True "
+                "and a KV page (tokens > 0)"
+            )
+        for tier in (info.home, *info.copies):
+            self._erase(tier, key)
+        del self.pages[key]
+        info.copies = set()
+        self.dropped[key] = info
+        self.drops += 1
+
+    @_locked
+    def observe_attention(self, key: str, mass: float, decay: float = 0.5) -> None:
+        """Fold a step's attention mass on the page's tokens into its running average (a
+        dropped page's too: its record is kept)."""
+        info = self.dropped[key] if key in self.dropped else self._info(key)
         info.attention = decay * info.attention + (1 - decay) * float(mass)
 
     @_locked
@@ -277,12 +322,15 @@ class TieredStore:
         so a page is never pushed down by a less important one. Pages not in ``ranked`` count
         as least important."""
         for key in ranked:
-            self._info(key)
+            if key not in self.dropped:
+                self._info(key)
         order = {key: index for index, key in enumerate(ranked)}
         rule, self.rule = self.rule, _ByImportance(order)
         try:
             filled = dict.fromkeys(TIERS, 0)
             for key in ranked:
+                if key in self.dropped:  # dropped while making room for a page before it
+                    continue
                 info = self._info(key)
                 target = next(
                     (t for t in ("device", "host") if filled[t] + info.nbytes <= self.capacity[t]),
@@ -302,8 +350,9 @@ class TieredStore:
     @_locked
     def make_room(self, tier: str, nbytes: int, protect: str | None = None) -> None:
         """Free ``nbytes`` in ``tier``: drop copies there, then demote homed pages one tier down
-        in the rule's order. Raises ``TierFull`` when even that cannot free them (pages demoted
-        on the way stay demoted, whole)."""
+        in the rule's order (from the lowest tier on, with ``may_drop``: drop its KV pages).
+        Raises ``TierFull`` when even that cannot free them (pages demoted on the way stay
+        demoted, whole)."""
         if nbytes > self.capacity[tier]:
             raise TierFull(
                 f"{tier} tier: a page of {nbytes} bytes exceeds its capacity of "
@@ -319,9 +368,12 @@ class TieredStore:
         for victim in self.rule.rank(homed, self.clock, lower):
             if self.bytes_free(tier) >= nbytes:
                 return
-            if lower is None:
+            if lower is not None:
+                self.move(victim.key, lower)
+            elif self.may_drop and victim.tokens and victim.key not in self._copying:
+                self.drop(victim.key)
+            elif not self.may_drop:
                 break
-            self.move(victim.key, lower)
         if self.bytes_free(tier) < nbytes:
             raise TierFull(
                 f"{tier} tier: {nbytes} bytes needed, {self.bytes_free(tier)} of "
@@ -388,6 +440,8 @@ class TieredStore:
             assert self.disk.bytes_used <= self.capacity["disk"]
         for info in self.pages.values():
             assert info.home not in info.copies
+        assert not set(self.dropped) & set(self.pages), "a page is both dropped and stored"
+        assert all(not info.copies for info in self.dropped.values())
 
 
 @dataclass
