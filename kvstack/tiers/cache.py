@@ -62,13 +62,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import Cache, DynamicCache
-from transformers.cache_utils import (
-    CacheLayerMixin,
-    DummyLayer,
-    DynamicLayer,
-    LinearAttentionLayer,
-)
+from transformers import Cache, DynamicCache, cache_utils
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer, LinearAttentionLayer
 
 from kvstack.arena import parse_bytes
 from kvstack.errors import InvalidArgumentError, KVStackError, PageCorrupted, TierFull
@@ -77,6 +72,10 @@ from kvstack.tiers.disk import Page, page_nbytes
 from kvstack.tiers.eviction import RULES, EvictionRule
 from kvstack.tiers.prefetch import Prefetcher
 from kvstack.tiers.store import TieredStore
+
+# The layer transformers gives a layer without attention or state (NemotronH's MLP layers);
+# transformers before 5.2x has none (such a model then has no such layer in its cache).
+DummyLayer = getattr(cache_utils, "DummyLayer", None)
 
 PLACEMENTS = ("recency", "attention")  # where prefill leaves pages: newest on device, or by score
 MANIFEST = "conversation.json"  # a saved conversation's record, on the disk tier
@@ -820,7 +819,10 @@ class TieredCache(Cache):
         states: dict[int, dict[str, torch.Tensor]] = {}
         for index, (layer, entry) in enumerate(zip(cache.layers, record["layers"], strict=True)):
             if not isinstance(layer, LinearAttentionLayer) or (
-                entry["state"] is None and not saved
+                # Nothing saved, and nothing to restore: no tokens, or a layer that never held a
+                # state (transformers before 5.2x gives NemotronH's MLP layers a state layer).
+                entry["state"] is None
+                and (not saved or not any(entry["has_previous_state"]))
             ):
                 continue
             if entry["state"] is None:
