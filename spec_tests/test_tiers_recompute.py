@@ -192,6 +192,20 @@ def test_the_cost_rule_drops_the_page_cheapest_to_recompute_first():
     store.check()
 
 
+def test_the_cost_rule_keeps_a_page_just_stored_for_the_read_that_follows_it():
+    """A layer stores a step's new page and reads it at once: a page not read yet counts as
+    about to be, so a page read once long ago goes first, even at an earlier position."""
+    size = sum(t.nbytes for t in kv(0).values())
+    store = TieredStore(device_bytes=2 * size, host_bytes=0, rule=CostAware(), may_drop=True,
+                        min_page_bytes=size)  # fmt: skip
+    store.put("old", kv(0), position=0, tokens=4)
+    store.get("old")
+    store.clock += 40  # other pages' reads since
+    store.put("fresh", kv(1), position=64, tokens=4)
+    store.put("next", kv(2), position=128, tokens=4)  # before anything read "fresh"
+    assert set(store.dropped) == {"old"}
+
+
 def test_only_kv_pages_are_dropped_and_a_store_without_may_drop_drops_nothing():
     size = sum(t.nbytes for t in kv(0).values())
     store = TieredStore(device_bytes=2 * size, host_bytes=0, may_drop=True, min_page_bytes=size)

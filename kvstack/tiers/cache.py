@@ -821,8 +821,7 @@ class TieredCache(Cache):
             if not isinstance(layer, LinearAttentionLayer) or (
                 # Nothing saved, and nothing to restore: no tokens, or a layer that never held a
                 # state (transformers before 5.2x gives NemotronH's MLP layers a state layer).
-                entry["state"] is None
-                and (not saved or not any(entry["has_previous_state"]))
+                entry["state"] is None and (not saved or not any(entry["has_previous_state"]))
             ):
                 continue
             if entry["state"] is None:

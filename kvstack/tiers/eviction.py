@@ -13,8 +13,10 @@ a new rule cannot break the store's invariants.
   transfer from the tier it goes to (bytes ÷ that tier's bandwidth) or recomputing its tokens,
   whose cost grows with their position (each token attends to every token before it: a page of
   ``n`` tokens starting at position ``p`` costs about ``n · (c_token + c_attend · (p + n/2))``).
-  Reuse probability is the page's use frequency (uses ÷ steps since it was stored), so a page
-  read at every step is kept and a page read once long ago goes first.
+  Reuse probability is the page's use frequency, (uses + 1) ÷ (reads since it was stored + 1),
+  so a page read often is kept and a page read once long ago goes first; the + 1 counts a page
+  not read yet as about to be (a layer reads the page it just stored in the same step: ranking
+  it last-to-be-used would drop what is needed next).
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ class CostAware:
 
     @staticmethod
     def reuse_probability(page: PageInfo, now: int) -> float:
-        return min(1.0, page.uses / max(1, now - page.stored_at))
+        return min(1.0, (page.uses + 1) / (now - page.stored_at + 1))
 
     def rank(self, pages, now, demote_to):
         return sorted(
