@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache, LlamaForCausalLM
 
-from kvstack.errors import InvalidArgumentError, KVStackError, TierFull
+from kvstack.errors import InvalidArgumentError, KVStackError, PageCorrupted, TierFull
 from kvstack.tiers import ATTENTION_NAME, CostAware, TieredCache, TieredStore, encode_page
 from spec_tests.test_tiered_cache import greedy, tiny_hybrid
 from spec_tests.tiny import tiny_llama_config
@@ -162,6 +162,77 @@ def test_smollm2_with_a_tenth_of_its_kv_in_the_tiers_makes_dynamic_cache_tokens(
     assert torch.equal(got, expected), tokenizer.decode(got[0, ids.shape[1] :])
     stats = cache.stats()
     assert stats["pages_dropped"] > 0 and within_budgets(cache)
+    cache.close()
+
+
+def test_a_damaged_page_is_dropped_and_recomputed_never_attended_to(tiny_model, tmp_path):
+    """In a running conversation, a page file that fails its checksum is dropped (its file
+    deleted, with a warning) and recomputed from its tokens: the tokens stay DynamicCache's.
+    Without recompute_with the same damage raises PageCorrupted."""
+    ids = prompt(60)
+    expected = greedy(tiny_model, ids, DynamicCache(config=tiny_model.config), 12)
+    for lossless in (True, False):
+        cache = TieredCache(
+            tiny_model.config,
+            device_budget=PAGE,
+            host_budget=0,
+            disk_path=tmp_path / str(lossless),
+            disk_budget="1MiB",
+            recompute_with=tiny_model if lossless else None,
+        )
+        out = greedy(tiny_model, ids, cache, 6)
+        damaged = cache.store.disk.file_of("L2.B1")  # read in the next step, not prefetched yet
+        data = bytearray(damaged.read_bytes())
+        data[-5] ^= 0x01
+        damaged.write_bytes(bytes(data))
+        if not lossless:
+            with pytest.raises(PageCorrupted, match="L2.B1"):
+                greedy(tiny_model, out, cache, 6)
+            cache.close()
+            continue
+        with pytest.warns(UserWarning, match="'L2.B1' is damaged"):
+            got = greedy(tiny_model, out, cache, 6)
+        assert torch.equal(got, expected)
+        stats = cache.stats()
+        assert stats["damaged_pages_recomputed"] == 1 and not damaged.exists()
+        cache.store.check()
+        cache.close()
+
+
+class LatestFirst:
+    """A rule that drops the latest positions first: recomputes then need the pages before
+    them (a prefix read from the tiers)."""
+
+    def rank(self, pages, now, demote_to):
+        return sorted(pages, key=lambda p: (-p.position, p.key))
+
+
+def test_a_damaged_page_before_a_recomputed_span_is_recomputed_with_it(tiny_model, tmp_path):
+    ids = prompt(60)
+    expected = greedy(tiny_model, ids, DynamicCache(config=tiny_model.config), 12)
+    cache = TieredCache(
+        tiny_model.config,
+        device_budget=PAGE,
+        host_budget=0,
+        disk_path=tmp_path,
+        disk_budget=disk_file_bytes(6),
+        policy=LatestFirst(),
+        recompute_with=tiny_model,
+    )
+    out = greedy(tiny_model, ids, cache, 6)
+    assert cache.stats()["pages_dropped"] > 0
+    before = [k for k in ("L1.B0", "L2.B0", "L1.B1") if k in cache.store.disk]
+    damaged = cache.store.disk.file_of(before[0])
+    data = bytearray(damaged.read_bytes())
+    data[-5] ^= 0x01
+    damaged.write_bytes(bytes(data))
+    recomputed_before = cache.stats()["recomputed_tokens"]
+    with pytest.warns(UserWarning, match="is damaged"):
+        got = greedy(tiny_model, out, cache, 6)
+    assert torch.equal(got, expected)
+    stats = cache.stats()
+    assert stats["damaged_pages_recomputed"] == 1 and stats["recomputed_tokens"] > recomputed_before
+    cache.store.check()
     cache.close()
 
 

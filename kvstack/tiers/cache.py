@@ -39,7 +39,10 @@ one forward of the model over the tokens from the first dropped block to the las
 ``DynamicCache`` holding every layer's pages before them, gives the dropped pages of this and
 every later layer (kept until those layers read them in this step, then freed: a dropped page
 is recomputed at every step that reads it, never stored again, so the tiers' budgets hold).
-The cache learns the tokens from a forward pre-hook on ``model`` (each step's ``input_ids``);
+A page file that fails its checksum when read is dropped (deleted, with a warning) and
+recomputed the same way, never attended to (without ``recompute_with`` it raises
+``PageCorrupted``). The cache learns the tokens from a forward pre-hook on ``model`` (each
+step's ``input_ids``);
 rows with padding and ``inputs_embeds`` are refused, before anything changes. The recompute
 forward holds that span's K/V for every layer: transient device memory beside the budgets.
 
@@ -403,6 +406,7 @@ class TieredCache(Cache):
         self._token_ids: torch.Tensor | None = None
         self._recomputed: dict[str, Page] = {}
         self.recomputes = 0
+        self.damaged_pages_recomputed = 0
         self.recomputed_tokens = 0
         self.recompute_seconds = 0.0
         if recompute_with is not None:
@@ -457,18 +461,47 @@ class TieredCache(Cache):
     def read_layer_pages(self, layer: TieredLayer) -> list[Page]:
         """Every page of ``layer``, in order, on the device: from the device tier, fetched
         (a page with room above moves up: after a resume, or pages deleted), or recomputed
-        (dropped from every tier)."""
+        (dropped from every tier, or, with ``recompute_with``, damaged)."""
         keys = layer.page_keys
         dropped = self.store.dropped_among(keys) if self.store.may_drop else set()
         self.prefetcher.forget(dropped)
         present = [key for key in keys if key not in dropped]
-        taken = dict(zip(present, self.prefetcher.take_all(present), strict=True))
+        try:
+            taken = dict(zip(present, self.prefetcher.take_all(present), strict=True))
+        except PageCorrupted:
+            if not self.store.may_drop:
+                raise
+            taken = self._take_dropping_damaged(present, dropped)
         for key, (page, tier) in taken.items():
             if tier != "device":
                 self.store.promote(key, page)
         if dropped - self._recomputed.keys():
             self._recompute(layer)
         return [taken[key][0] if key in taken else self._recomputed.pop(key) for key in keys]
+
+    def _take_dropping_damaged(
+        self, keys: list[str], dropped: set[str]
+    ) -> dict[str, tuple[Page, str]]:
+        """``take_all`` of ``keys`` page by page, after one of them failed its checksum: a
+        damaged page is dropped (its file deleted, with a warning) and added to ``dropped``, to
+        be recomputed like any dropped page, never attended to."""
+        taken = {}
+        for key in keys:
+            try:
+                taken[key] = self.prefetcher.take_all([key])[0]
+            except PageCorrupted as error:
+                self._drop_damaged(key, error)
+                dropped.add(key)
+        return taken
+
+    def _drop_damaged(self, key: str, error: PageCorrupted) -> None:
+        self.store.drop(key)
+        self.damaged_pages_recomputed += 1
+        warnings.warn(
+            f"TieredCache: page {key!r} is damaged ({error}); it is dropped and recomputed "
+            "from its tokens",
+            stacklevel=3,
+        )
 
     def note_step_ids(
         self, input_ids: torch.Tensor | None, attention_mask: Any, position_ids: Any = None
@@ -509,21 +542,18 @@ class TieredCache(Cache):
         ids = input_ids.detach().to("cpu", torch.long)
         self._token_ids = ids if self._token_ids is None else torch.cat([self._token_ids, ids], 1)
 
-    def _recompute(self, requesting: TieredLayer) -> None:
-        """One forward over the tokens of every dropped page, from the first dropped block to
-        the last, on a ``DynamicCache`` holding every layer's pages before them; keeps the
-        dropped pages of ``requesting`` and the layers after it (those before it have read this
-        step's pages) in ``_recomputed``."""
-        start = time.perf_counter()
-        block = self.block_size
+    def _recompute_span(
+        self, requesting: TieredLayer
+    ) -> tuple[int, int, dict[TieredLayer, list[int]]]:
+        """(first block, last block, each layer's dropped blocks) of the span a recompute for
+        ``requesting`` runs. It ends at the last dropped page a layer still to read this step
+        needs, and starts at the first page any layer lacks: the forward needs every layer's
+        pages before it. A layer that has not stored this step's blocks yet (a long prefill)
+        holds fewer pages, and the span starts earlier."""
         dropped = {}  # layer -> indices of its dropped blocks, ascending
         for layer in self.attention_layers:
             gone = self.store.dropped_among(layer.page_keys)
             dropped[layer] = [i for i, key in enumerate(layer.page_keys) if key in gone]
-        # The span ends at the last page a layer still to read this step needs, and starts at
-        # the first page any layer lacks: the forward needs every layer's pages before it. A
-        # layer that has not stored this step's blocks yet (a long prefill) holds fewer pages,
-        # and the span starts earlier.
         last = max(
             blocks[-1]
             for layer, blocks in dropped.items()
@@ -533,7 +563,33 @@ class TieredCache(Cache):
             [blocks[0] for blocks in dropped.values() if blocks]
             + [len(layer.page_keys) for layer in self.attention_layers]
         )
+        return first, last, dropped
+
+    def _recompute(self, requesting: TieredLayer) -> None:
+        """One forward over the tokens of the span of dropped pages (``_recompute_span``) on a
+        ``DynamicCache`` holding every layer's pages before it; keeps the dropped pages of
+        ``requesting`` and the layers after it (those before it have read this step's pages)
+        in ``_recomputed``. A page before the span that fails its checksum is dropped too, and
+        the span starts earlier."""
+        start = time.perf_counter()
+        while True:
+            first, last, dropped = self._recompute_span(requesting)
+            before: dict[str, Page] = {}
+            damaged = None
+            for layer in self.attention_layers:
+                for key in layer.page_keys[:first]:
+                    try:
+                        before[key] = self.store.peek(key)[0]
+                    except PageCorrupted as error:
+                        damaged = key, error
+                        break
+                if damaged:
+                    break
+            if damaged is None:
+                break
+            self._drop_damaged(*damaged)
         ids = self._token_ids
+        block = self.block_size
         if ids is None or ids.shape[1] < (last + 1) * block:
             raise KVStackError(
                 f"TieredCache: page {last} of a layer was dropped, but the cache knows the ids "
@@ -543,7 +599,7 @@ class TieredCache(Cache):
         prefix = DynamicCache(config=self._config)
         if first:
             for layer in self.attention_layers:
-                pages = [self.store.peek(key)[0] for key in layer.page_keys[:first]]
+                pages = [before[key] for key in layer.page_keys[:first]]
                 keys = torch.cat([p["k"] for p in pages], dim=-2).to(self.device)  # [B, H, T, D]
                 values = torch.cat([p["v"] for p in pages], dim=-2).to(self.device)
                 prefix.update(keys, values, layer.layer_idx)
@@ -629,6 +685,7 @@ class TieredCache(Cache):
             "stall_seconds": self.prefetcher.stall_seconds,
             "overlap_fraction": self.prefetcher.overlap_fraction,
             "recomputes": self.recomputes,
+            "damaged_pages_recomputed": self.damaged_pages_recomputed,
             "recomputed_tokens": self.recomputed_tokens,
             "recompute_seconds": self.recompute_seconds,
             # Mean over decode steps and layers; None unless the cache asks for scores.
