@@ -33,6 +33,13 @@ def prompt(length: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(1, 256, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
+def damage(path) -> None:
+    """Flip one bit of a page file's tensor bytes (its checksum no longer matches)."""
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
 def disk_file_bytes(pages: int) -> int:
     """Disk bytes of ``pages`` tiny-model page files (a file is its tensors and a header)."""
     one = {"k": torch.zeros(1, 2, 16, 16), "v": torch.zeros(1, 2, 16, 16)}
@@ -182,9 +189,7 @@ def test_a_damaged_page_is_dropped_and_recomputed_never_attended_to(tiny_model, 
         )
         out = greedy(tiny_model, ids, cache, 6)
         damaged = cache.store.disk.file_of("L2.B1")  # read in the next step, not prefetched yet
-        data = bytearray(damaged.read_bytes())
-        data[-5] ^= 0x01
-        damaged.write_bytes(bytes(data))
+        damage(damaged)
         if not lossless:
             with pytest.raises(PageCorrupted, match="L2.B1"):
                 greedy(tiny_model, out, cache, 6)
@@ -223,9 +228,7 @@ def test_a_damaged_page_before_a_recomputed_span_is_recomputed_with_it(tiny_mode
     assert cache.stats()["pages_dropped"] > 0
     before = [k for k in ("L1.B0", "L2.B0", "L1.B1") if k in cache.store.disk]
     damaged = cache.store.disk.file_of(before[0])
-    data = bytearray(damaged.read_bytes())
-    data[-5] ^= 0x01
-    damaged.write_bytes(bytes(data))
+    damage(damaged)
     recomputed_before = cache.stats()["recomputed_tokens"]
     with pytest.warns(UserWarning, match="is damaged"):
         got = greedy(tiny_model, out, cache, 6)
