@@ -45,11 +45,12 @@ what the device held at the end (tier bytes plus tails ÷ the KV).
   other half is dropped and computed again from its tokens at every step that reads it (one
   forward of the model over the span from the first dropped block to the last, on the pages
   before it). ``decode_speed_ratio.cost_vs_lru``: decode tokens/s with the cost-aware rule
-  (it drops the pages cheapest to recompute: the earliest positions, so the span is short and
-  starts at 0) ÷ with LRU (it drops the pages read longest ago in the step: the first layers'
-  pages of every position, so the span reaches far). ``tokens_per_step.{cost,lru}``: tokens
-  recomputed per decode step; ``dropped_fraction``: pages dropped ÷ pages, at the end of the
-  cost-aware run; ``tokens_equal_dynamic``: runs whose tokens equal DynamicCache's.
+  (reuse probability × the cost of recomputing the page, which grows with its position) ÷
+  with LRU (the page read longest ago first). What each step costs is the span: dropping one
+  page at a late position makes every step recompute every layer from the first dropped page
+  to it. ``tokens_per_step.{cost,lru}``: tokens recomputed per decode step (the span);
+  ``dropped_fraction``: pages dropped ÷ pages, at the end of the cost-aware run;
+  ``tokens_equal_dynamic``: runs whose tokens equal DynamicCache's.
   ``OVERFLOW_DECODE_TOKENS`` decode steps after the same prompt, medians of the rounds.
 
 Not measured yet (the tiers are not under the engine): the cost-vs-LRU TTFT of a multi-turn
