@@ -45,10 +45,10 @@ what the device held at the end (tier bytes plus tails ÷ the KV).
   other half is dropped and computed again from its tokens at every step that reads it (one
   forward of the model over the span from the first dropped block to the last, on the pages
   before it). ``decode_speed_ratio.cost_vs_lru``: decode tokens/s with the cost-aware rule
-  (reuse probability × the cost of recomputing the page, which grows with its position) ÷
-  with LRU (the page read longest ago first). What each step costs is the span: dropping one
-  page at a late position makes every step recompute every layer from the first dropped page
-  to it. ``tokens_per_step.{cost,lru}``: tokens recomputed per decode step (the span);
+  (reuse probability × what dropping the page adds to the recomputed span: nothing inside it,
+  else the recompute of the tokens it extends it by; ``CostAware.rank_drops``) ÷ with LRU (the
+  page read longest ago first). What each step costs is the span: dropping one page at a late
+  position makes every step recompute every layer from the first dropped page to it. ``tokens_per_step.{cost,lru}``: tokens recomputed per decode step (the span);
   ``dropped_fraction``: pages dropped ÷ pages, at the end of the cost-aware run;
   ``tokens_equal_dynamic``: runs whose tokens equal DynamicCache's.
   ``OVERFLOW_DECODE_TOKENS`` decode steps after the same prompt, medians of the rounds.

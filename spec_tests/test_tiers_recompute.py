@@ -14,7 +14,15 @@ from hypothesis import strategies as st
 from transformers import DynamicCache, LlamaForCausalLM
 
 from kvstack.errors import InvalidArgumentError, KVStackError, PageCorrupted, TierFull
-from kvstack.tiers import ATTENTION_NAME, CostAware, TieredCache, TieredStore, encode_page
+from kvstack.tiers import (
+    ATTENTION_NAME,
+    LRU,
+    CostAware,
+    PageInfo,
+    TieredCache,
+    TieredStore,
+    encode_page,
+)
 from spec_tests.test_tiered_cache import greedy, tiny_hybrid
 from spec_tests.tiny import tiny_llama_config
 
@@ -264,6 +272,32 @@ def test_the_cost_rule_drops_the_page_cheapest_to_recompute_first():
         store.peek("p1")
     assert store.dropped_among(["p0", "p1", "p2"]) == {"p1", "p2"}
     store.check()
+
+
+def test_the_cost_rule_drops_what_the_recomputed_span_covers_before_it_extends_the_span():
+    """A dropped page is recomputed in one span with every other, in every layer: the same block
+    of another layer costs nothing more, however often it is read; the next block a little, a
+    far one more. LRU drops by use alone, so its second drop reaches further."""
+    size = sum(t.nbytes for t in kv(0).values())
+    dropped = {}
+    for rule in (CostAware(), LRU()):
+        store = TieredStore(device_bytes=6 * size, host_bytes=0, rule=rule, may_drop=True,
+                            min_page_bytes=size)  # fmt: skip
+        keys = [f"L{layer}.B{block}" for layer in range(2) for block in range(4)]
+        for key in keys:
+            if key == "L1.B2":  # the tier is full: read L1.B0 often before the drops start
+                for _ in range(3):
+                    store.get("L1.B0")
+            block = int(key[-1])
+            store.put(key, kv(block), position=4 * block, tokens=4)
+        dropped[type(rule).__name__] = set(store.dropped)
+        store.check()
+    assert dropped == {"CostAware": {"L0.B0", "L1.B0"}, "LRU": {"L0.B0", "L0.B1"}}
+    rule, info = CostAware(), {}
+    for key, position in [("L0.B0", 0), ("L1.B0", 0), ("L0.B1", 64), ("L0.B5", 320)]:
+        info[key] = PageInfo(key, size, "device", position=position, tokens=64)
+    ranked = rule.rank_drops([info["L0.B5"], info["L0.B1"], info["L1.B0"]], 0, [info["L0.B0"]])
+    assert [p.key for p in ranked] == ["L1.B0", "L0.B1", "L0.B5"]
 
 
 def test_the_cost_rule_keeps_a_page_just_stored_for_the_read_that_follows_it():

@@ -17,6 +17,13 @@ a new rule cannot break the store's invariants.
   so a page read often is kept and a page read once long ago goes first; the + 1 counts a page
   not read yet as about to be (a layer reads the page it just stored in the same step: ranking
   it last-to-be-used would drop what is needed next).
+
+  Dropping (``demote_to=None``, lossless recompute) in a store that holds one sequence's pages
+  (``TieredCache``): a dropped page is recomputed with every other dropped page in one span, from
+  the first dropped position to the last, in every layer at once. So ``CostAware.rank_drops``
+  prices a page by what it adds to that span: nothing if the span covers it already (the same
+  block of another layer), else the tokens by which it extends the span. Rules without
+  ``rank_drops`` rank drops with ``rank``.
 """
 
 from __future__ import annotations
@@ -98,6 +105,39 @@ class CostAware:
             key=lambda p: (
                 self.reuse_probability(p, now) * self.restore_seconds(p, demote_to),
                 p.last_used,
+                p.key,
+            ),
+        )
+
+    def recompute_seconds(self, start: int, end: int) -> float:
+        """Recomputing the tokens at positions ``start`` .. ``end - 1``."""
+        tokens = end - start
+        midpoint = start + tokens / 2
+        return tokens * (self.seconds_per_token + self.seconds_per_token_per_context * midpoint)
+
+    def rank_drops(
+        self, pages: Sequence[PageInfo], now: int, dropped: Sequence[PageInfo]
+    ) -> list[PageInfo]:
+        """``pages`` (KV pages of one sequence) in the order they should be dropped, given the
+        pages already ``dropped``: by reuse probability × the recompute they add to the span
+        of dropped positions (none inside it); the earliest position breaks ties."""
+        if dropped:
+            low = min(p.position for p in dropped)
+            high = max(p.position + p.tokens for p in dropped)
+
+        def added_seconds(page: PageInfo) -> float:
+            start, end = page.position, page.position + page.tokens
+            if not dropped:
+                return self.recompute_seconds(start, end)
+            # The span grows to cover the page: what it then costs beyond what it costs now.
+            grown = self.recompute_seconds(min(start, low), max(end, high))
+            return grown - self.recompute_seconds(low, high)
+
+        return sorted(
+            pages,
+            key=lambda p: (
+                self.reuse_probability(p, now) * added_seconds(p),
+                p.position,
                 p.key,
             ),
         )

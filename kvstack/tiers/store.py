@@ -364,6 +364,9 @@ class TieredStore:
             self.drop_copy(key, tier)
         # Demote to the next tier that is on (a host tier of 0 bytes sends pages to disk).
         lower = next((t for t in TIERS[TIERS.index(tier) + 1 :] if self.capacity[t] > 0), None)
+        if lower is None and self.may_drop and hasattr(self.rule, "rank_drops"):
+            self._drop_for_room(tier, nbytes, protect)
+            return
         homed = [p for p in self.pages.values() if p.home == tier and p.key != protect]
         for victim in self.rule.rank(homed, self.clock, lower):
             if self.bytes_free(tier) >= nbytes:
@@ -379,6 +382,23 @@ class TieredStore:
                 f"{tier} tier: {nbytes} bytes needed, {self.bytes_free(tier)} of "
                 f"{self.capacity[tier]} free after demoting what could go"
             )
+
+    def _drop_for_room(self, tier: str, nbytes: int, protect: str | None) -> None:
+        """``make_room`` of the lowest tier by drops ranked with the rule's ``rank_drops``,
+        ranked again after each drop (what a drop costs depends on what was dropped)."""
+        while self.bytes_free(tier) < nbytes:
+            candidates = [
+                p
+                for p in self.pages.values()
+                if p.home == tier and p.key != protect and p.tokens and p.key not in self._copying
+            ]
+            if not candidates:
+                raise TierFull(
+                    f"{tier} tier: {nbytes} bytes needed, {self.bytes_free(tier)} of "
+                    f"{self.capacity[tier]} free after dropping every KV page that could go"
+                )
+            ranked = self.rule.rank_drops(candidates, self.clock, list(self.dropped.values()))
+            self.drop(ranked[0].key)
 
     # ------------------------------------------------------------------ internals
     def _write(self, tier: str, info: PageInfo, page: Page, protect: str | None = None) -> None:
