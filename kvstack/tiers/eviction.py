@@ -74,7 +74,8 @@ class AttentionAware:
 class CostAware:
     """AsymCache's rule. Bandwidths in bytes per second of reading a page back from the tier it
     would go to; recompute constants in seconds (per token, and per token per earlier token).
-    The defaults are of a small model on a CPU; ``kvstack bench tiers`` can measure its own."""
+    The defaults are estimates for a small model on a CPU, not measured here: pass a machine's
+    own where they matter."""
 
     bandwidth: dict[str, float] = field(default_factory=lambda: {"host": 10e9, "disk": 1e9})
     seconds_per_token: float = 2e-4
