@@ -126,10 +126,11 @@ class TokenTableBatch:
                 "value", value, shape=value_shape, dtypes=FLOAT_DTYPES, device=pool.key.device
             )
         n = key.shape[1]
-        if not pool.can_allocate(self.blocks_needed(n)):
+        needed = self.blocks_needed(n)
+        if needed and not pool.can_allocate(needed):  # most decode steps need no new block
             raise PoolExhausted(
                 f"appending {n} tokens to {self.num_tables} tables needs "
-                f"{self.blocks_needed(n)} blocks, but only {pool.num_free_blocks} are free"
+                f"{needed} blocks, but only {pool.num_free_blocks} are free"
             )
         new_slots = self._take_slots(pool, n)
         slots = torch.tensor(new_slots, dtype=torch.int64, device=self.device)  # [N * n]

@@ -232,8 +232,22 @@ class KVArena:
         return max((end - start for start, end in self.free_extents), default=0)
 
     def fits(self, size: int, count: int = 1, align: int = 1) -> bool:
-        """Whether ``count`` pages of ``size`` elements, each aligned to ``align``, fit now."""
-        return self._place(size, count, align, contiguous=False) is not None
+        """Whether ``count`` pages of ``size`` elements, each aligned to ``align``, fit now
+        (``_place_some`` would find them all). Counted per free extent, not placed page by page:
+        a cache asks this on every append, and a shared arena's free space is often hundreds of
+        extents, so it stops at the first extents that hold them all."""
+        if count <= 0:
+            return True
+        # From an aligned offset the next page starts ceil(size / align) * align further on.
+        stride = math.ceil(size / align) * align
+        remaining = count
+        for start, end in self.free_extents:
+            first = math.ceil(start / align) * align
+            if first + size <= end:
+                remaining -= (end - size - first) // stride + 1
+                if remaining <= 0:
+                    return True
+        return False
 
     def stats(self) -> dict[str, float]:
         """The whole budget, in bytes unless named otherwise."""
@@ -342,12 +356,16 @@ class KVArena:
         offsets: list[int] = []
         if from_top:
             for start, end in reversed(self.free_extents):
+                if len(offsets) == count:
+                    break
                 offset = (end - size) // align * align
                 while offset >= start and len(offsets) < count:
                     offsets.append(offset)
                     offset = (offset - size) // align * align
             return offsets
         for start, end in self.free_extents:
+            if len(offsets) == count:
+                break
             offset = math.ceil(start / align) * align
             while offset + size <= end and len(offsets) < count:
                 offsets.append(offset)

@@ -557,6 +557,22 @@ class ArenaMachine(RuleBasedStateMachine):
         assert self.arena.buffer.untyped_storage().nbytes() == self.arena.capacity_bytes
 
     @invariant()
+    def fits_counts_what_placement_finds(self) -> None:
+        """``fits`` counts pages per free extent; placing them one by one must agree."""
+        sizes = {layer.pool.block_elements for layer in self.layers()} | {1, 7, 48}
+        for size in sorted(sizes):
+            for align in sorted({1, 4, size}):
+                placeable = len(self.arena._place_some(size, 1 << 20, align))
+                for count in {0, 1, placeable, placeable + 1}:
+                    assert self.arena.fits(size, count, align) == (count <= placeable), (
+                        size,
+                        count,
+                        align,
+                        placeable,
+                        self.arena.free_extents,
+                    )
+
+    @invariant()
     def bytes_per_kind(self) -> None:
         stats = self.arena.stats()
         kv = sum(sum(layer.blocks) * layer.pool.block_bytes for layer in self.layers())
