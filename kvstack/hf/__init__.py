@@ -4,6 +4,7 @@ Importing this module registers ``attn_implementation="kvstack"`` with transform
 """
 
 from kvstack.hf.attention import ATTENTION_NAME, kvstack_attention, register, set_backend
+from kvstack.hf.headwise import HeadwiseCache, HeadwiseLayer
 from kvstack.hf.paged import PagedCache, PagedLayer
 from kvstack.hf.token_table_cache import TokenTableCache, TokenTableLayer
 
@@ -11,6 +12,8 @@ register()
 
 __all__ = [
     "ATTENTION_NAME",
+    "HeadwiseCache",
+    "HeadwiseLayer",
     "PagedCache",
     "PagedLayer",
     "TokenTableCache",

@@ -1,0 +1,157 @@
+"""``HeadwiseCache``: per-head budgets calibrated offline, whose savings are real bytes (Tangram).
+
+A head profile (``kvstack.calibrate``, ``kvstack calibrate``) gives every KV head of every
+attention layer a budget B, the fraction of a prompt's tokens it keeps. The cache keeps one token
+table per KV head (each head its own tokens, in its own blocks drawn from the arena), and
+
+1. **prefill**: the prompt is attended in full; then each head keeps SnapKV's observation window
+   (its last ``window`` tokens) and the top ``ceil(B * (N - window))`` of the other N - window
+   prompt tokens by SnapKV's score. The evicted tokens' slots are released and their tables
+   repacked, so the blocks go back to the arena: a head of budget 0.2 holds about a fifth of
+   the blocks of a full one, where kvpress-style head-wise compression (AdaKV) only masks them.
+2. **decode**: every new token is kept (Tangram compresses the prompt once); attention reads only
+   the tables, so it is a full cache's attention with the evicted prompt entries of each head
+   masked. With every budget 1.0 nothing is evicted: the tokens are ``PagedCache``'s.
+
+Tables hold one KV head each (``heads_per_group`` 1 in ``kvstack.head_groups``' terms): each
+head's pages are sized by its own budget, so nothing is reserved beyond block rounding. Groups of
+several heads sharing one table (Tangram's layout for GPU kernels) are not built here.
+
+    profile = HeadProfile.load("profile.json")
+    cache = HeadwiseCache(model.config, profile)
+    model.generate(ids, past_key_values=cache, max_new_tokens=64)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from kvstack.arena import KVArena
+from kvstack.calibrate import HeadProfile, ProfileError
+from kvstack.errors import InvalidArgumentError
+from kvstack.hf.token_table_cache import TokenTableCache, TokenTableLayer
+from kvstack.policies import EvictionPolicy, SnapKV
+from kvstack.reference.repack import DEFAULT_WASTE_THRESHOLD
+
+
+class HeadwiseLayer(TokenTableLayer):
+    """One attention layer of a ``HeadwiseCache``: a token table per (row, KV head), each with
+    its head's budget; evicts once, after the prompt."""
+
+    def _start(self) -> None:
+        # Tables are row-major (row * groups + head): table i is KV head i % groups.
+        self.state = self.policy.init_state(self.batch.num_tables)
+        prompt = self.prompt_tokens if self.prompt_tokens is not None else self.batch.num_live
+        self.budgets = [
+            self.cache.head_budget(self.layer_idx, index % self.groups, tokens)
+            for index, tokens in enumerate(prompt)
+        ]
+
+    def wants_attention_weights(self) -> bool:
+        # The policy scores the prompt only: after it, nothing is evicted.
+        return not self.prefilled
+
+    def after_attention(self) -> None:
+        if self.prefilled:  # a decode step: its token is kept
+            self.budgets = list(self.batch.num_live)
+        super().after_attention()
+
+
+class HeadwiseCache(TokenTableCache):
+    """Per-KV-head budgets from a calibrated head profile, as a drop-in Hugging Face cache.
+
+    >>> profile = HeadProfile.load("profile.json")      # kvstack calibrate --out profile.json
+    >>> cache = HeadwiseCache(model.config, profile)    # or HeadwiseCache(config, "profile.json")
+
+    ``profile``: a ``HeadProfile`` or the path of a profile file, made for this model (its layer
+    and KV head counts must match the config's). ``policy``: the per-head score that picks each
+    head's tokens, SnapKV by default (the score the profile was calibrated with)."""
+
+    layer_class = HeadwiseLayer
+
+    def __init__(
+        self,
+        config: Any,
+        profile: HeadProfile | str | os.PathLike[str],
+        arena: KVArena | None = None,
+        *,
+        policy: EvictionPolicy | None = None,
+        block_size: int = 16,
+        repack_threshold: float = DEFAULT_WASTE_THRESHOLD,
+        prefill_chunk: int | None = None,
+    ) -> None:
+        if isinstance(profile, (str, os.PathLike)):
+            profile = HeadProfile.load(profile)
+        if not isinstance(profile, HeadProfile):
+            raise InvalidArgumentError(
+                "profile must be a kvstack.calibrate.HeadProfile or the path of a profile file, "
+                f"got {type(profile).__name__}"
+            )
+        profile.check_model(config.get_text_config(decoder=True))
+        policy = SnapKV() if policy is None else policy
+        if not isinstance(policy, EvictionPolicy) or not policy.per_head:
+            raise InvalidArgumentError(
+                f"policy must be a per-head kvstack.policies.EvictionPolicy (SnapKV, H2O, "
+                f"Scissorhands), got {policy!r}"
+            )
+        self.profile = profile
+        # ratio=1.0 only satisfies TokenTableCache: each table's budget is head_budget's.
+        super().__init__(
+            config,
+            policy,
+            ratio=1.0,
+            block_size=block_size,
+            repack_threshold=repack_threshold,
+            reclaim=True,
+            prefill_chunk=prefill_chunk,
+            arena=arena,
+        )
+        if len(self.paged_layers) != profile.num_layers:
+            raise ProfileError(
+                f"profile has budgets for {profile.num_layers} attention layers, but this model "
+                f"has {len(self.paged_layers)}; calibrate this model (kvstack calibrate ...)"
+            )
+        # Model layer index -> the profile's row (its place among the attention layers).
+        self._profile_row = {layer.layer_idx: i for i, layer in enumerate(self.paged_layers)}
+
+    def __repr__(self) -> str:
+        return (
+            f"HeadwiseCache(layers={self.profile.num_layers}, kv_heads={self.profile.num_kv_heads}"
+            f", mean budget={self.mean_budget():.3f}, policy={self.policy!r})"
+        )
+
+    def per_head_tables(self) -> bool:
+        return True
+
+    def mean_budget(self) -> float:
+        budgets = [b for row in self.profile.budgets for b in row]
+        return sum(budgets) / len(budgets)
+
+    def head_budget(self, layer_idx: int, head: int, prompt_tokens: int) -> int:
+        """Live tokens KV head ``head`` of layer ``layer_idx`` keeps of a ``prompt_tokens``-token
+        prompt: the policy's protected tokens (SnapKV's window) and ``ceil(B * rest)`` of the
+        rest, B the head's budget. Budget 1.0 keeps the whole prompt."""
+        share = self.profile.budgets[self._profile_row[layer_idx]][head]
+        protected = min(prompt_tokens, self.policy.min_budget() - 1)
+        return max(
+            self.policy.min_budget(), protected + math.ceil(share * (prompt_tokens - protected))
+        )
+
+    def budget_for(self, prompt_tokens: int) -> int:
+        """The largest head budget of any layer for a prompt of ``prompt_tokens`` tokens."""
+        return max(
+            self.head_budget(layer.layer_idx, head, prompt_tokens)
+            for layer in self.paged_layers
+            for head in range(self.expected_kv_heads)
+        )
+
+    def _steady_blocks(self, tables: int, prompt_tokens: int) -> int:
+        # Each head's table at its own budget (and one decode token), for every row.
+        rows = tables // self.expected_kv_heads
+        return rows * sum(
+            self.steady_blocks_per_table(self.head_budget(layer.layer_idx, head, prompt_tokens))
+            for layer in self.paged_layers
+            for head in range(self.expected_kv_heads)
+        )

@@ -1,0 +1,233 @@
+"""HeadwiseCache (Tangram's per-head budgets): what it computes, what it holds, what it refuses.
+
+* every budget 1.0: exactly ``PagedCache``'s tokens (nothing is evicted);
+* budgets below 1: exactly a full cache whose attention masks, per KV head, the prompt entries
+  that head did not keep (the kvpress way of head-wise compression, which frees nothing), while
+  the cache holds only the kept entries' blocks;
+* a profile made for another model, an unreadable one, a policy that is not per-head: refused
+  at construction, with the arena untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import pytest
+import torch
+from transformers import AttentionInterface, DynamicCache, LlamaForCausalLM
+
+import kvstack.hf  # noqa: F401  (registers the "kvstack" attention)
+from kvstack.arena import KVArena
+from kvstack.calibrate import HeadProfile, ProfileError, model_identity
+from kvstack.errors import InvalidArgumentError
+from kvstack.hf import HeadwiseCache, PagedCache
+from kvstack.policies import SnapKV, StreamingLLM
+
+from .tiny import tiny_llama_config
+
+MASKED = "kvstack_test_headwise_masked"
+WINDOW = 8
+PROMPT, NEW = 48, 10
+
+
+def profile_for(config, budgets) -> HeadProfile:
+    return HeadProfile(
+        budgets=tuple(tuple(row) for row in budgets),
+        mean=tuple(tuple(row) for row in budgets),
+        std=tuple(tuple(0.0 for _ in row) for row in budgets),
+        ratio=0.25,
+        alpha=2.0,
+        model=model_identity(config),
+        calibration={},
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    torch.manual_seed(0)
+    config = tiny_llama_config(num_hidden_layers=3, max_position_embeddings=256)
+    return LlamaForCausalLM(config).eval()
+
+
+def prompt_ids(length: int = PROMPT, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def greedy(model, ids, cache, attn: str, new: int = NEW):
+    model.set_attn_implementation(attn)
+    with warnings.catch_warnings(), torch.inference_mode():
+        warnings.simplefilter("ignore", FutureWarning)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            past_key_values=cache,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    return out.sequences[0, ids.shape[1] :].tolist(), torch.stack(out.scores)
+
+
+def kept_prompt_entries(cache: HeadwiseCache, prompt: int) -> dict[int, torch.Tensor]:
+    """Per layer, [KV heads, prompt] bool: which prompt tokens each head's table still holds."""
+    return {
+        layer.layer_idx: layer.batch.alive[:, :prompt].clone()  # one row: table i is head i
+        for layer in cache.paged_layers
+    }
+
+
+def masked_attention(kept: dict[int, torch.Tensor], prompt: int):
+    """Eager attention over a full cache, masking for every query after the prompt the prompt
+    entries each KV head did not keep."""
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **_):
+        # query [1, H_q, T, D]; key/value [1, H_kv, S, D]: the whole sequence so far.
+        groups = query.shape[1] // key.shape[1]
+        t, s = query.shape[2], key.shape[2]
+        positions = torch.arange(s - t, s)[:, None]  # [T, 1]: the queries' positions
+        columns = torch.arange(s)[None, :]  # [1, S]
+        visible = (columns <= positions)[None].expand(key.shape[1], t, s).clone()  # [H_kv, T, S]
+        decode = (positions >= prompt)[None, :, 0]  # [1, T]
+        hidden = ~kept[module.layer_idx][:, None, :] & decode[..., None]  # [H_kv, T, prompt]
+        visible[:, :, :prompt] &= ~hidden
+        visible = visible.repeat_interleave(groups, dim=0)[None]  # [1, H_q, T, S]
+        keys = key.repeat_interleave(groups, dim=1)
+        values = value.repeat_interleave(groups, dim=1)
+        scores = torch.matmul(query, keys.transpose(-1, -2)) * scaling
+        probs = scores.masked_fill(~visible, -math.inf).softmax(dim=-1)
+        return torch.matmul(probs, values).transpose(1, 2), probs
+
+    return attention
+
+
+def test_every_budget_at_one_gives_paged_cache_tokens(tiny_model):
+    config, ids = tiny_model.config, prompt_ids()
+    ones = profile_for(config, [[1.0, 1.0]] * 3)
+    cache = HeadwiseCache(config, ones, policy=SnapKV(window=WINDOW))
+    tokens, scores = greedy(tiny_model, ids, cache, "kvstack")
+    paged_tokens, paged_scores = greedy(tiny_model, ids, PagedCache(config), "kvstack")
+    assert tokens == paged_tokens
+    torch.testing.assert_close(scores, paged_scores, rtol=1e-4, atol=1e-4)
+    for layer in cache.paged_layers:  # nothing evicted
+        assert layer.batch.num_live == [PROMPT + NEW - 1] * 2
+
+
+BUDGETS = [[0.3, 0.7], [0.5, 0.15], [1.0, 0.4]]
+
+
+def test_budgets_below_one_equal_a_full_cache_with_those_entries_masked(tiny_model):
+    config, ids = tiny_model.config, prompt_ids()
+    cache = HeadwiseCache(config, profile_for(config, BUDGETS), policy=SnapKV(window=WINDOW))
+    tokens, scores = greedy(tiny_model, ids, cache, "kvstack")
+    kept = kept_prompt_entries(cache, PROMPT)
+    for row, layer in zip(BUDGETS, cache.paged_layers, strict=True):
+        for head, share in enumerate(row):
+            # SnapKV's window, and ceil(B x the rest) of the other prompt tokens.
+            expected = WINDOW + math.ceil(share * (PROMPT - WINDOW))
+            assert int(kept[layer.layer_idx][head].sum()) == expected
+            assert kept[layer.layer_idx][head, PROMPT - WINDOW :].all()  # the window is kept
+            # Decode tokens are all kept: the table holds its prompt share and every new token.
+            assert layer.batch.num_live[head] == expected + NEW - 1
+    AttentionInterface.register(MASKED, masked_attention(kept, PROMPT))
+    dense_tokens, dense_scores = greedy(tiny_model, ids, DynamicCache(config=config), MASKED)
+    assert tokens == dense_tokens
+    torch.testing.assert_close(scores, dense_scores, rtol=1e-4, atol=1e-4)
+    # Without the mask the full cache answers differently: the test can tell them apart.
+    _, full_scores = greedy(tiny_model, ids, DynamicCache(config=config), "eager")
+    assert not torch.allclose(scores, full_scores, rtol=1e-4, atol=1e-4)
+
+
+def test_the_cache_holds_only_the_kept_entries_blocks(tiny_model):
+    config, ids = tiny_model.config, prompt_ids(96)
+    arena = KVArena("4MiB", dtype=torch.float32)
+    cache = HeadwiseCache(
+        config, profile_for(config, BUDGETS), arena=arena, policy=SnapKV(window=WINDOW)
+    )
+    greedy(tiny_model, ids, cache, "kvstack", new=1)  # the prompt only: evicted and repacked
+    block_bytes = cache.min_page_bytes(arena.itemsize)  # 16 tokens of one KV head, K and V
+    blocks = [len(b) for layer in cache.paged_layers for b in layer.batch.blocks]
+    live = [n for layer in cache.paged_layers for n in layer.batch.num_live]
+    # Repacked: each head's table holds at most its live tokens' blocks and the token a decode
+    # step appends; the arena's bytes in use are exactly those blocks.
+    assert all(b <= math.ceil((n + 1) / 16) for b, n in zip(blocks, live, strict=True))
+    assert cache.stats()["bytes_used"] == arena.bytes_used == sum(blocks) * block_bytes
+    paged = PagedCache(config, arena=KVArena("4MiB", dtype=torch.float32))
+    greedy(tiny_model, ids, paged, "kvstack", new=1)
+    mean_budget = sum(map(sum, BUDGETS)) / 6
+    assert arena.bytes_used < (mean_budget + 0.2) * paged.stats()["bytes_used"]
+
+
+# --------------------------------------------------------------------------- bad input
+def test_a_profile_for_another_model_is_refused_and_the_arena_untouched(tiny_model):
+    arena = KVArena("1MiB", dtype=torch.float32)
+    other = tiny_llama_config(num_hidden_layers=4)
+    with pytest.raises(ProfileError, match="num_hidden_layers=4.*this model has.*=3"):
+        HeadwiseCache(tiny_model.config, profile_for(other, [[0.5, 0.5]] * 4), arena=arena)
+    heads = tiny_llama_config(num_hidden_layers=3, num_key_value_heads=4)
+    with pytest.raises(ProfileError, match="num_key_value_heads=4.*this model has.*=2"):
+        HeadwiseCache(tiny_model.config, profile_for(heads, [[0.5] * 4] * 3), arena=arena)
+    assert arena.bytes_used == 0 and not arena.pages
+
+
+def test_a_corrupt_or_truncated_profile_file_is_refused(tiny_model, tmp_path):
+    path = tmp_path / "profile.json"
+    profile_for(tiny_model.config, BUDGETS).save(path)
+    assert HeadwiseCache(tiny_model.config, path).profile.budgets == tuple(map(tuple, BUDGETS))
+    text = path.read_text()
+    path.write_text(text[: len(text) // 2])
+    with pytest.raises(ProfileError, match="not valid JSON"):
+        HeadwiseCache(tiny_model.config, path)
+    data = json.loads(text)
+    data["budgets"][1][0] = 1.5
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match=r"budgets\[1\]\[0\] = 1.5; expected a fraction"):
+        HeadwiseCache(tiny_model.config, path)
+    with pytest.raises(ProfileError, match="cannot be read"):
+        HeadwiseCache(tiny_model.config, tmp_path / "missing.json")
+
+
+def test_a_policy_that_is_not_per_head_or_a_profile_of_another_type_is_refused(tiny_model):
+    profile = profile_for(tiny_model.config, BUDGETS)
+    with pytest.raises(InvalidArgumentError, match="per-head.*StreamingLLM"):
+        HeadwiseCache(tiny_model.config, profile, policy=StreamingLLM())
+    with pytest.raises(InvalidArgumentError, match="HeadProfile or the path.*got dict"):
+        HeadwiseCache(tiny_model.config, {"budgets": BUDGETS})
+
+
+# --------------------------------------------------------------------------- the real model
+def test_smollm2_tokens_equal_a_full_cache_with_the_same_entries_masked():
+    """SmolLM2 (fp32, a chat prompt of ~150 tokens): head-wise budgets spread over (0, 1] give
+    exactly the masked full cache's tokens, while the cache holds far fewer blocks."""
+    from kvstack.models import load_smollm2
+
+    model, tokenizer = load_smollm2(progress=False, fresh=True)  # fresh: we switch attention
+    config = model.config
+    generator = torch.Generator().manual_seed(0)
+    budgets = (0.1 + 0.9 * torch.rand(30, 3, generator=generator)).tolist()  # [layer][kv head]
+    text = (
+        "Summarise in two sentences: the storage team moved the KV cache into fixed-size blocks "
+        "so memory is allocated on demand. Token tables map each logical token to a physical "
+        "slot, which lets an eviction policy drop single tokens; repacking moves the survivors "
+        "into fewer blocks and returns the rest to the pool. Early measurements show fewer "
+        "blocks per request, but answer quality on long documents is not yet measured."
+    )
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
+    ids = tokenizer(rendered, return_tensors="pt").input_ids
+    prompt = ids.shape[1]
+    cache = HeadwiseCache(config, profile_for(config, budgets))
+    tokens, _ = greedy(model, ids, cache, "kvstack", new=24)
+    kept = kept_prompt_entries(cache, prompt)
+    AttentionInterface.register(MASKED, masked_attention(kept, prompt))
+    dense_tokens, _ = greedy(model, ids, DynamicCache(config=config), MASKED, new=24)
+    assert tokens == dense_tokens
+    kept_fraction = sum(int(k.sum()) for k in kept.values()) / (30 * 3 * prompt)
+    assert kept_fraction < 0.7
+    paged = PagedCache(config)
+    greedy(model, ids, paged, "kvstack", new=24)
+    assert cache.stats()["bytes_used"] < 0.8 * paged.stats()["bytes_used"]
