@@ -24,9 +24,27 @@ From that profile:
   of each sequence (one tensor op over the list, made once as a tensor); the per-step
   planner plans anew (kvstack's Python planner).
 
+* ``tangram.memory_ratio.{headwise,masked}``: real bytes one request's cache holds after its
+  prompt (the benchmark prompts, ``MEMORY_NEW_TOKENS`` greedy tokens each), over the bytes of
+  ``DynamicCache``'s K/V for the same request (full KV), mean over the prompts. ``headwise``:
+  ``HeadwiseCache`` with the calibrated profile, its private arena's real storage after the run
+  (trimmed to whole 1 MiB segments). ``masked``: the kvpress way, a full ``DynamicCache`` whose
+  attention masks per head the entries that head did not keep (``kvstack.hf.headwise.
+  masked_attention``); it holds every entry. ``tangram.tokens_equal_masked``: the fraction of
+  prompts whose tokens are the same under both (target 1: the cache frees exactly what the mask
+  hides). Target headwise <= 0.3.
+* ``tangram.max_concurrency_ratio`` and ``tangram.throughput_ratio``: the serve benchmark's
+  trace (``kvstack.bench.serve``: 16 ShareGPT-length requests, every one arriving at once) on
+  the engine with one fixed arena of a quarter of the trace's full KV: peak requests generating
+  at once and output tokens/s, ``CacheSpec(profile=...)`` over ``CacheSpec()`` (lossless). What
+  differs besides the cache: the lossless engine keeps every request's K/V in one stacked block
+  table (one scatter and one attention call per layer for all requests); the head-wise one runs
+  each request's own cache (per-request appends and tables). Target >= 2.6 for both (Tangram:
+  up to 2.6x).
+
 Also recorded: the profile's head-ranking stability (Spearman of each sample against the mean
-of the others) and its mean budget. The memory, concurrency, throughput and quality figures of
-the Tangram issue need ``HeadwiseCache`` and ragged pages, which do not exist yet.
+of the others) and its mean budget. Not measured yet: ``tangram.quality`` (head-wise versus a
+uniform budget at the same total, on the long-context set).
 """
 
 from __future__ import annotations
@@ -37,11 +55,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvstack.bench.suite import Figure, Measured, figure_table, format_value, run_suite
+from kvstack.bench.suite import CACHE_CODE, Figure, Measured, figure_table, format_value, run_suite
 from kvstack.bench.timing import time_interleaved
 
 NAME = "tangram"
 DEPENDS_ON = (
+    *CACHE_CODE,  # HeadwiseCache
+    "kvstack/arena.py",
+    "kvstack/serve",  # the engine
+    "bench/serve.py",  # its trace and runs
     "kvstack/calibrate.py",
     "kvstack/head_groups.py",
     "kvstack/models.py",
@@ -63,6 +85,8 @@ BATCH, MAX_CONTEXT, TRACE_SEED = 16, 2048, 0  # the serve benchmark's trace
 QUICK_BATCH = 4
 BLOCK_SIZE = 16
 REPEATS, QUICK_REPEATS = 20, 2  # interleaved rounds: each plans once and decodes a step
+MEMORY_NEW_TOKENS, QUICK_MEMORY_NEW_TOKENS = 32, 4
+ENGINE_REPEATS = 3  # timed engine runs of each cache, alternating: wall times are medians
 
 
 # --------------------------------------------------------------------------- the figures
@@ -245,6 +269,13 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
     figures["tangram.decode_step_ms.dynamic"] = Figure(
         step * 1e3, "ms", f"one DynamicCache decode step, batch {batch}"
     )
+    log("memory: HeadwiseCache, DynamicCache and the masked full cache on the benchmark prompts")
+    memory_figures, memory_workload = measure_memory(model, tokenizer, profile, quick, log)
+    figures.update(memory_figures)
+    log("engine: the serve trace on one fixed arena, lossless and head-wise")
+    engine_figures, engine_workload = measure_engine(model, tokenizer, profile, quick, log)
+    figures.update(engine_figures)
+
     stability = profile.calibration
     figures["tangram.calibration.spearman_mean"] = Figure(
         stability["spearman_mean"], "ratio", "head ranking, each sample vs the others' mean"
@@ -275,6 +306,8 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         "repeats": QUICK_REPEATS if quick else REPEATS,
         "timer": "kvstack.bench.timing.time_interleaved, median over rounds",
         "budgets": [list(row) for row in budgets],
+        "memory": memory_workload,
+        "engine": engine_workload,
     }
     return Measured(
         figures=figures,
@@ -282,6 +315,167 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         title="kvstack Tangram benchmark: calibrated head budgets, head groups, work lists",
         sections=[_budget_section(budgets)],
     )
+
+
+def _generate(model: Any, ids: Any, cache: Any, attention: str, new_tokens: int) -> list[int]:
+    import torch
+
+    model.set_attn_implementation(attention)
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            past_key_values=cache,
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+        )
+    return out[0, ids.shape[1] :].tolist()
+
+
+def measure_memory(
+    model: Any, tokenizer: Any, profile: Any, quick: bool, log: Callable[[str], None]
+) -> tuple[dict[str, Figure], dict[str, Any]]:
+    """Real bytes of one request's cache: HeadwiseCache, the masked full cache, DynamicCache."""
+    from transformers import AttentionInterface, DynamicCache
+
+    from kvstack.bench.prompts import build_prompts
+    from kvstack.hf import HeadwiseCache
+    from kvstack.hf.headwise import kept_prompt_entries, masked_attention
+
+    def dynamic_bytes(cache: Any) -> int:
+        return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+
+    new_tokens = QUICK_MEMORY_NEW_TOKENS if quick else MEMORY_NEW_TOKENS
+    masked_name = "kvstack_bench_masked_heads"
+    rows = []
+    for prompt in build_prompts(tokenizer, quick=quick):
+        ids, length = prompt.input_ids, prompt.num_tokens
+        headwise = HeadwiseCache(model.config, profile)  # a private arena: its own real bytes
+        tokens = _generate(model, ids, headwise, "kvstack", new_tokens)
+        real = headwise.arena.buffer.untyped_storage().nbytes()
+        full = DynamicCache(config=model.config)
+        _generate(model, ids, full, "sdpa", new_tokens)
+        AttentionInterface.register(
+            masked_name, masked_attention(kept_prompt_entries(headwise, length), length)
+        )
+        masked = DynamicCache(config=model.config)
+        masked_tokens = _generate(model, ids, masked, masked_name, new_tokens)
+        rows.append(
+            {
+                "prompt": prompt.name,
+                "prompt_tokens": length,
+                "headwise_real_bytes": real,
+                "headwise_page_bytes": int(headwise.stats()["bytes_used"]),
+                "full_kv_bytes": dynamic_bytes(full),
+                "masked_bytes": dynamic_bytes(masked),
+                "tokens_equal": tokens == masked_tokens,
+            }
+        )
+        log(
+            f"  {prompt.name}: {length} tokens, head-wise {real / 2**20:.1f} MiB real, full "
+            f"{rows[-1]['full_kv_bytes'] / 2**20:.1f} MiB, same tokens as masked: "
+            f"{rows[-1]['tokens_equal']}"
+        )
+    model.set_attn_implementation("sdpa")
+    figures = {
+        "tangram.memory_ratio.headwise": Figure(
+            statistics.mean(r["headwise_real_bytes"] / r["full_kv_bytes"] for r in rows),
+            "ratio",
+            "HeadwiseCache's real bytes (its private arena, trimmed) / DynamicCache's K/V, one "
+            f"request of a benchmark prompt and {new_tokens} tokens, mean over prompts",
+            ("<=", 0.3),
+        ),
+        "tangram.memory_ratio.headwise_pages": Figure(
+            statistics.mean(r["headwise_page_bytes"] / r["full_kv_bytes"] for r in rows),
+            "ratio",
+            "the same, counting the arena pages its tables hold (no segment rounding)",
+        ),
+        "tangram.memory_ratio.masked": Figure(
+            statistics.mean(r["masked_bytes"] / r["full_kv_bytes"] for r in rows),
+            "ratio",
+            "the masked full cache's K/V bytes (kvpress-style head-wise masking) / DynamicCache's",
+        ),
+        "tangram.tokens_equal_masked": Figure(
+            sum(r["tokens_equal"] for r in rows) / len(rows),
+            "fraction",
+            "prompts whose greedy tokens are the same with HeadwiseCache and the masked full cache",
+            (">=", 1.0),
+        ),
+    }
+    return figures, {"new_tokens": new_tokens, "prompts": rows}
+
+
+def measure_engine(
+    model: Any, tokenizer: Any, profile: Any, quick: bool, log: Callable[[str], None]
+) -> tuple[dict[str, Figure], dict[str, Any]]:
+    """The serve trace on one fixed arena: HeadwiseCache over the lossless cache."""
+    from kvstack.bench import serve as serve_bench
+    from kvstack.serve import CacheSpec
+
+    model.generation_config.eos_token_id = None  # every request makes its whole output
+    requests = serve_bench.build_requests(tokenizer, quick)
+    specs = {"full": CacheSpec(), "headwise": CacheSpec(profile=profile)}
+    total_kv = serve_bench.full_kv_bytes(model, requests)
+    largest = max(
+        serve_bench.largest_request_bytes(model, spec, requests) for spec in specs.values()
+    )
+    capacity = max(int(serve_bench.ARENA_FRACTION * total_kv), largest)
+    # Untimed: compile the attention for each cache kind and small batch sizes.
+    warm = [(ids, 2 * (i + 1)) for i, (ids, _) in enumerate(requests[:4])]
+    for label, spec in specs.items():
+        log(f"  warm-up: {label}")
+        for _ in range(2):
+            serve_bench.run_trace(
+                model, 2 * serve_bench.full_kv_bytes(model, warm) + largest, spec, warm
+            )
+    tries: dict[str, list[Any]] = {label: [] for label in specs}
+    for repeat in range(1 if quick else ENGINE_REPEATS):
+        for label, spec in specs.items():
+            run = serve_bench.run_trace(model, capacity, spec, requests)
+            tries[label].append(run)
+            log(
+                f"  {label} {repeat + 1}: {run.peak_generating} at most generating, "
+                f"{run.tokens_per_second:.1f} tok/s, {run.preemptions} preemptions"
+            )
+    runs = {
+        label: {
+            "peak_generating": t[0].peak_generating,
+            "mean_generating": t[0].mean_generating,
+            "output_tokens": t[0].output_tokens,
+            "preemptions": t[0].preemptions,
+            "wall_seconds": statistics.median(r.wall_seconds for r in t),
+            "wall_seconds_of_repeats": [r.wall_seconds for r in t],
+        }
+        for label, t in tries.items()
+    }
+    throughput = {label: r["output_tokens"] / r["wall_seconds"] for label, r in runs.items()}
+    figures = {
+        "tangram.max_concurrency_ratio": Figure(
+            runs["headwise"]["peak_generating"] / runs["full"]["peak_generating"],
+            "ratio",
+            "peak requests generating at once, HeadwiseCache / lossless, the serve trace on "
+            f"one {capacity / 2**20:.1f} MiB arena",
+            (">=", 2.6),
+        ),
+        "tangram.throughput_ratio": Figure(
+            throughput["headwise"] / throughput["full"],
+            "ratio",
+            "output tokens/s, the same runs (medians of alternating repeats)",
+            (">=", 2.6),
+        ),
+    }
+    workload = {
+        "arena_bytes": capacity,
+        "arena_fraction_of_full_kv": serve_bench.ARENA_FRACTION,
+        "requests": len(requests),
+        "prompt_tokens": [len(ids) for ids, _ in requests],
+        "new_tokens": [n for _, n in requests],
+        "max_batch_tokens": serve_bench.MAX_BATCH_TOKENS,
+        "prefill_chunk": serve_bench.PREFILL_CHUNK,
+        "runs": runs,
+    }
+    return figures, workload
 
 
 def _budget_section(budgets: Sequence[Sequence[float]]) -> str:
@@ -307,7 +501,17 @@ def readme_tables(results: dict) -> dict[str, str]:
     names = [
         name
         for name in results["figures"]
-        if name.startswith(("tangram.overallocation", "tangram.imbalance", "tangram.plan_time"))
+        if name.startswith(
+            (
+                "tangram.overallocation",
+                "tangram.imbalance",
+                "tangram.plan_time",
+                "tangram.memory_ratio",
+                "tangram.tokens_equal",
+                "tangram.max_concurrency",
+                "tangram.throughput",
+            )
+        )
     ]
     calibration = {
         k: results["figures"][f"tangram.calibration.{k}"]["value"]

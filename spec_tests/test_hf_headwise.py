@@ -23,6 +23,7 @@ from kvstack.arena import KVArena
 from kvstack.calibrate import HeadProfile, ProfileError, model_identity
 from kvstack.errors import InvalidArgumentError
 from kvstack.hf import HeadwiseCache, PagedCache
+from kvstack.hf.headwise import kept_prompt_entries, masked_attention
 from kvstack.policies import SnapKV, StreamingLLM
 
 from .tiny import tiny_llama_config
@@ -70,38 +71,6 @@ def greedy(model, ids, cache, attn: str, new: int = NEW):
             return_dict_in_generate=True,
         )
     return out.sequences[0, ids.shape[1] :].tolist(), torch.stack(out.scores)
-
-
-def kept_prompt_entries(cache: HeadwiseCache, prompt: int) -> dict[int, torch.Tensor]:
-    """Per layer, [KV heads, prompt] bool: which prompt tokens each head's table still holds."""
-    return {
-        layer.layer_idx: layer.batch.alive[:, :prompt].clone()  # one row: table i is head i
-        for layer in cache.paged_layers
-    }
-
-
-def masked_attention(kept: dict[int, torch.Tensor], prompt: int):
-    """Eager attention over a full cache, masking for every query after the prompt the prompt
-    entries each KV head did not keep."""
-
-    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **_):
-        # query [1, H_q, T, D]; key/value [1, H_kv, S, D]: the whole sequence so far.
-        groups = query.shape[1] // key.shape[1]
-        t, s = query.shape[2], key.shape[2]
-        positions = torch.arange(s - t, s)[:, None]  # [T, 1]: the queries' positions
-        columns = torch.arange(s)[None, :]  # [1, S]
-        visible = (columns <= positions)[None].expand(key.shape[1], t, s).clone()  # [H_kv, T, S]
-        decode = (positions >= prompt)[None, :, 0]  # [1, T]
-        hidden = ~kept[module.layer_idx][:, None, :] & decode[..., None]  # [H_kv, T, prompt]
-        visible[:, :, :prompt] &= ~hidden
-        visible = visible.repeat_interleave(groups, dim=0)[None]  # [1, H_q, T, S]
-        keys = key.repeat_interleave(groups, dim=1)
-        values = value.repeat_interleave(groups, dim=1)
-        scores = torch.matmul(query, keys.transpose(-1, -2)) * scaling
-        probs = scores.masked_fill(~visible, -math.inf).softmax(dim=-1)
-        return torch.matmul(probs, values).transpose(1, 2), probs
-
-    return attention
 
 
 def test_every_budget_at_one_gives_paged_cache_tokens(tiny_model):

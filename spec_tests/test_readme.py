@@ -13,8 +13,9 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 def python_blocks() -> list[str]:
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    assert len(blocks) == 6, (
-        "README.md should have the HF, serving, tiers, fact memory, vLLM and core examples"
+    assert len(blocks) == 7, (
+        "README.md should have the HF, serving, head-wise, tiers, fact memory, vLLM and core "
+        "examples"
     )
     return blocks
 
@@ -43,6 +44,22 @@ def test_readme_serving_example_runs_and_its_comments_hold(capsys):
     assert capsys.readouterr().out  # the streamed tokens
 
 
+def test_readme_headwise_example_runs_and_its_comment_holds(tmp_path, monkeypatch, capsys):
+    """The Tangram block, with the profile it loads made first (a small calibration: the
+    README's command runs 50 samples)."""
+    from kvstack.calibrate import calibrate, pilot_samples
+    from kvstack.models import load_smollm2
+
+    model, tokenizer = load_smollm2(progress=False)
+    calibrate(model, pilot_samples(tokenizer, 2, 256), 0.25).save(tmp_path / "smollm2-0.25.json")
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(python_blocks()[2], str(README), "exec"), namespace)
+    fraction = float(capsys.readouterr().out.split()[0])
+    assert 0.2 < fraction < 0.6, fraction  # "about 0.4"
+    assert namespace["out"].shape[1] == namespace["ids"].shape[1] + 16
+
+
 def test_readme_tiers_example_saves_and_a_new_process_resumes(tmp_path):
     """The example's two halves in two processes, as the comment says: the second finds the
     first's pages on disk and answers the next turn."""
@@ -50,7 +67,7 @@ def test_readme_tiers_example_saves_and_a_new_process_resumes(tmp_path):
     import subprocess
     import sys
 
-    first, second = python_blocks()[2].split("# Process 2", 1)
+    first, second = python_blocks()[3].split("# Process 2", 1)
     env = {**os.environ, "PYTHONPATH": str(README.parent)}
     subprocess.run([sys.executable, "-c", first], cwd=tmp_path, env=env, check=True)
     assert (tmp_path / "chat-kv" / "conversation.json").exists()
@@ -71,7 +88,7 @@ def test_readme_tiers_example_saves_and_a_new_process_resumes(tmp_path):
 
 def test_readme_fact_memory_example_runs_and_its_comments_hold(capsys):
     namespace: dict = {}
-    exec(compile(python_blocks()[3], str(README), "exec"), namespace)
+    exec(compile(python_blocks()[4], str(README), "exec"), namespace)
     memory, cache, ids = namespace["memory"], namespace["cache"], namespace["ids"]
     assert namespace["fact_ids"] == ["f0"]  # the comment's retrieval
     first = memory.facts["f0"]
@@ -99,7 +116,7 @@ def test_readme_vllm_example_serves_the_memory_through_the_connector(tmp_path):
 
     env = os.environ | cpu_environment("nobind")
     script = tmp_path / "example.py"
-    script.write_text(python_blocks()[4])
+    script.write_text(python_blocks()[5])
     done = subprocess.run(
         [str(python), str(script)], cwd=tmp_path, env=env, capture_output=True, text=True
     )
@@ -113,7 +130,7 @@ def test_readme_vllm_example_serves_the_memory_through_the_connector(tmp_path):
 
 def test_readme_example_runs_and_its_comments_hold():
     namespace: dict = {}
-    exec(compile(python_blocks()[5], str(README), "exec"), namespace)
+    exec(compile(python_blocks()[6], str(README), "exec"), namespace)
     table, pool, out = namespace["table"], namespace["pool"], namespace["out"]
     assert len(table.blocks) == 4 and table.num_live == 50
     assert pool.num_free_blocks == 64 - 4

@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kvstack.arena import KVArena
+from kvstack.calibrate import HeadProfile, model_identity
 from kvstack.errors import InvalidArgumentError
-from kvstack.hf import TokenTableCache
+from kvstack.hf import HeadwiseCache, TokenTableCache
 from kvstack.models import TINY_HYBRIDS, tiny_hybrid_config
 from kvstack.policies import H2O, SnapKV
 from kvstack.serve import CacheSpec, Engine, Sampling
@@ -26,11 +27,23 @@ BLOCK_BYTES = (
     16 * 2 * 16 * 2 * 4
 )  # a whole-row block: 16 tokens x 2 KV heads x dim 16 x K, V x fp32
 PREFILL_CHUNK = 16
+# Per-head budgets for the tiny model's 2 layers x 2 KV heads (as a calibration would write).
+HEADWISE_BUDGETS = ((0.3, 0.8), (0.6, 0.2))
+TINY_PROFILE = HeadProfile(
+    budgets=HEADWISE_BUDGETS,
+    mean=HEADWISE_BUDGETS,
+    std=((0.0, 0.0), (0.0, 0.0)),
+    ratio=0.5,
+    alpha=2.0,
+    model=model_identity(LlamaConfig(**TINY)),
+    calibration={},
+)
 SPECS = {
     "paged": CacheSpec(),
     "h2o": CacheSpec(policy=H2O(), ratio=0.5),
     "snapkv": CacheSpec(policy=SnapKV(window=4, kernel_size=3), budget=12),
     "h2o_naive": CacheSpec(policy=H2O(), ratio=0.5, reclaim=False),
+    "headwise": CacheSpec(policy=SnapKV(window=4, kernel_size=3), profile=TINY_PROFILE),
 }
 
 
@@ -62,7 +75,12 @@ def solo(
     key = (id(model), spec_name, tuple(ids), new_tokens, prefill_chunk)
     if key not in _SOLO:
         spec = SPECS[spec_name]
-        if spec.evicting:
+        if spec.headwise:
+            model.set_attn_implementation("kvstack")
+            cache = HeadwiseCache(
+                model.config, spec.profile, policy=spec.policy, prefill_chunk=prefill_chunk
+            )
+        elif spec.evicting:
             model.set_attn_implementation("kvstack")
             cache = TokenTableCache(
                 model.config,
@@ -141,7 +159,7 @@ def test_a_long_prompt_is_prefilled_over_steps_while_others_decode(model, spec_n
     assert serving.arena.bytes_used == 0
 
 
-@pytest.mark.parametrize("spec_name", ["paged", "h2o_naive"])
+@pytest.mark.parametrize("spec_name", ["paged", "h2o_naive", "headwise"])
 def test_a_tight_arena_preempts_the_newest_and_outputs_do_not_change(model, spec_name):
     # Short prompts, long outputs: admitted together, the requests outgrow the arena mid-decode.
     # (Caches whose blocks never shrink; an evicting cache that reclaims is admitted with its
@@ -263,8 +281,10 @@ def test_decode_rows_split_into_pieces_give_each_request_its_solo_tokens(
     handles = [serving.submit(ids, n) for ids, n in requests]
     serving.run()
     assert [h.output_ids for h in handles] == [solo(model, spec_name, i, n) for i, n in requests]
-    # H2O and SnapKV observe the weights of every decode step: their rows stay whole.
-    assert bool(split) is (not SPECS[spec_name].evicting)
+    # H2O and SnapKV observe the weights of every decode step: their rows stay whole. A
+    # head-wise cache evicts only its prompt: its decode rows are split too.
+    spec = SPECS[spec_name]
+    assert bool(split) is (not spec.evicting or spec.headwise)
 
 
 @pytest.mark.parametrize("spec_name", ["paged", "h2o"])
@@ -635,3 +655,29 @@ def test_a_layout_of_a_hybrid_system_is_refused_for_a_model_without_states(model
         Engine(model, KVArena("1MiB"), layout="fixed_dual")
     with pytest.raises(InvalidArgumentError, match="layout must be one of"):
         Engine(model, KVArena("1MiB"), layout="unified")
+
+
+def test_a_headwise_request_is_admitted_with_its_compressed_prompt_not_its_whole_prompt(model):
+    """Tangram's budget reservation: a head-wise request is admitted with each head's table at
+    its budget (and the decode token it appends before it would evict), one prefill chunk in
+    flight and decode headroom, so there is no compress-then-reclaim pass; a lossless request
+    of the same prompt needs every token's blocks."""
+    serving = engine(model, "headwise", 64 * BLOCK_BYTES)
+    cache = serving._probe  # a HeadwiseCache on the engine's arena
+    head_block = BLOCK_BYTES // 2  # one KV head's 16 tokens
+    prompt_tokens = 300
+    steady = sum(
+        -(-(cache.head_budget(layer.layer_idx, head, prompt_tokens) + 1) // 16)
+        for layer in cache.paged_layers
+        for head in range(2)
+    )
+    in_flight = 2 * -(-PREFILL_CHUNK // 16)  # one layer's chunk, in both heads' tables
+    headroom = 2 * 2 * 1  # 16 more tokens: one block per layer and head
+    assert serving.admission_bytes(prompt_tokens) == (steady + in_flight + headroom) * head_block
+    lossless = engine(model, "paged", 64 * BLOCK_BYTES).admission_bytes(prompt_tokens)
+    assert serving.admission_bytes(prompt_tokens) < 0.7 * lossless
+    # Its decode tokens are all kept: its lifetime grows with its outputs.
+    assert (
+        serving.lifetime_bytes(prompt_tokens, 64)
+        == serving.admission_bytes(prompt_tokens) + 2 * 2 * 4 * head_block
+    )

@@ -26,7 +26,10 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from kvstack.arena import KVArena
 from kvstack.calibrate import HeadProfile, ProfileError
@@ -155,3 +158,46 @@ class HeadwiseCache(TokenTableCache):
             for layer in self.paged_layers
             for head in range(self.expected_kv_heads)
         )
+
+
+def kept_prompt_entries(cache: HeadwiseCache, prompt_tokens: int) -> dict[int, torch.Tensor]:
+    """Per attention layer (by model layer index), [KV heads, prompt_tokens] bool: which prompt
+    tokens each head of a one-row ``HeadwiseCache`` still holds."""
+    if cache.paged_layers[0].batch_size != 1:
+        raise InvalidArgumentError(
+            f"kept_prompt_entries reads a one-row cache, got {cache.paged_layers[0].batch_size} "
+            "rows"
+        )
+    return {
+        layer.layer_idx: layer.batch.alive[:, :prompt_tokens].clone()  # table i is KV head i
+        for layer in cache.paged_layers
+    }
+
+
+def masked_attention(kept: dict[int, torch.Tensor], prompt_tokens: int) -> Callable[..., Any]:
+    """The kvpress way of head-wise compression, as a transformers attention function over a
+    full cache (``DynamicCache``): eager attention in which every query after the prompt sees,
+    of the prompt, only the entries its KV head kept (``kept``, from ``kept_prompt_entries``).
+    Register it with ``AttentionInterface``: the tokens it gives are what a ``HeadwiseCache``
+    must give, and it holds every entry's K/V, which is what ``HeadwiseCache`` frees."""
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **_):
+        # query [B, H_q, T, D]; key/value [B, H_kv, S, D]: the whole sequence so far.
+        groups = query.shape[1] // key.shape[1]
+        t, s = query.shape[2], key.shape[2]
+        device = query.device
+        positions = torch.arange(s - t, s, device=device)[:, None]  # [T, 1]
+        visible = torch.arange(s, device=device)[None, :] <= positions  # [T, S]: causal
+        visible = visible[None].expand(key.shape[1], t, s).clone()  # [H_kv, T, S]
+        after_prompt = (positions >= prompt_tokens)[None]  # [1, T, 1]
+        hidden = ~kept[module.layer_idx].to(device)[:, None, :] & after_prompt  # [H_kv, T, P]
+        visible[:, :, :prompt_tokens] &= ~hidden
+        visible = visible.repeat_interleave(groups, dim=0)[None]  # [1, H_q, T, S]
+        keys = key.repeat_interleave(groups, dim=1)  # [B, H_q, S, D]
+        values = value.repeat_interleave(groups, dim=1)
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        scores = torch.matmul(query, keys.transpose(-1, -2)) * scale  # [B, H_q, T, S]
+        probs = scores.masked_fill(~visible, -math.inf).softmax(dim=-1)
+        return torch.matmul(probs, values).transpose(1, 2), probs  # [B, T, H_q, D]
+
+    return attention

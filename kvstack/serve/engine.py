@@ -411,23 +411,35 @@ class Engine:
         return all(self.layout.could_ever_fit(need) for need in needs)
 
     def _admission_need(self, prompt_tokens: int) -> Need:
-        if self.spec.bounded:
+        if self.spec.compresses_prompt:
+            # The budget reservation: the compressed prompt's pages (every table at its budget
+            # and one decode token) and one prefill chunk in flight, never the whole prompt.
             tables = self.geometry.tables
             blocks = self._probe.blocks_to_reserve(tables, prompt_tokens)
-            return Need(blocks * self.geometry.block_bytes, self.state_bytes)
+            kv = blocks * self.geometry.block_bytes
+            if self.spec.headwise:  # its tables grow as it decodes: room for more tokens
+                kv += self.geometry.bytes_for(DECODE_HEADROOM_TOKENS)
+            return Need(kv, self.state_bytes)
         kv = self.geometry.bytes_for(prompt_tokens + DECODE_HEADROOM_TOKENS)
         return Need(kv, self.state_bytes)
 
     def _lifetime_need(self, prompt_tokens: int, max_new_tokens: int) -> Need:
         if self.spec.bounded:
             return self._admission_need(prompt_tokens)
+        if self.spec.headwise:
+            need = self._admission_need(prompt_tokens)
+            return Need(need.kv + self.geometry.bytes_for(max_new_tokens), need.state)
         return Need(self.geometry.bytes_for(prompt_tokens + max_new_tokens), self.state_bytes)
 
     def _request_admission_need(self, request: Request) -> Need:
         """``_admission_need`` for what this request's cache must rebuild: after a preemption a
-        cache that keeps every block (lossless, Naive-Evict) recomputes its outputs too."""
+        cache that keeps every block (lossless, Naive-Evict) recomputes its outputs too, and a
+        head-wise one replays them into its tables."""
         if self.spec.bounded:
             return self._admission_need(len(request.prompt_ids))
+        if self.spec.headwise:
+            need = self._admission_need(len(request.prompt_ids))
+            return Need(need.kv + self.geometry.bytes_for(len(request.output_ids)), need.state)
         return self._admission_need(len(request.tokens))
 
     def _kept_need(self, request: Request) -> Need:
@@ -438,7 +450,7 @@ class Engine:
         bytes less the prefill chunk in flight, which it no longer needs)."""
         prompt = len(request.prompt_ids)
         need = self._request_admission_need(request)
-        if self.spec.bounded and request.computed >= prompt:
+        if self.spec.compresses_prompt and request.computed >= prompt:
             in_flight = min(prompt, self.prefill_chunk)
             chunk_blocks = self.geometry.tables * -(-in_flight // self.geometry.block_size)
             return Need(need.kv - chunk_blocks * self.geometry.block_bytes, need.state)
@@ -467,7 +479,7 @@ class Engine:
     def _step_need(self, work: Work) -> Need:
         """Upper bound of the arena bytes ``work`` adds in this step."""
         request = work.request
-        if self.spec.bounded and request.computed < len(request.prompt_ids):
+        if self.spec.compresses_prompt and request.computed < len(request.prompt_ids):
             # A chunk of an evicting prefill: each layer appends the chunk and evicts back to
             # its budget before the next layer appends, so the step peaks at the admission
             # bound (every table at its budget plus one layer's chunk in flight), not at a
