@@ -16,6 +16,8 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers import AttentionInterface, DynamicCache, LlamaForCausalLM
 
 import kvstack.hf  # noqa: F401  (registers the "kvstack" attention)
@@ -108,6 +110,38 @@ def test_budgets_below_one_equal_a_full_cache_with_those_entries_masked(tiny_mod
     # Without the mask the full cache answers differently: the test can tell them apart.
     _, full_scores = greedy(tiny_model, ids, DynamicCache(config=config), "eager")
     assert not torch.allclose(scores, full_scores, rtol=1e-4, atol=1e-4)
+
+
+@settings(max_examples=10, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    budgets=st.lists(
+        st.lists(st.sampled_from([0.05, 0.2, 0.37, 0.5, 0.81, 1.0]), min_size=2, max_size=2),
+        min_size=3,
+        max_size=3,
+    ),
+    prompt=st.integers(3, 70),
+    window=st.integers(1, 6),
+    new=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+)
+def test_any_budgets_equal_the_masked_full_cache_and_keep_what_the_formula_says(
+    tiny_model, budgets, prompt, window, new, seed
+):
+    """Random budgets, prompt lengths (shorter than the window too), windows and outputs."""
+    config, ids = tiny_model.config, prompt_ids(prompt, seed)
+    policy = SnapKV(window=window, kernel_size=3)
+    cache = HeadwiseCache(config, profile_for(config, budgets), policy=policy)
+    tokens, scores = greedy(tiny_model, ids, cache, "kvstack", new=new)
+    kept = kept_prompt_entries(cache, prompt)
+    for row, layer in zip(budgets, cache.paged_layers, strict=True):
+        for head, share in enumerate(row):
+            protected = min(prompt, window)
+            budget = max(window + 1, protected + math.ceil(share * (prompt - protected)))
+            assert int(kept[layer.layer_idx][head].sum()) == min(prompt, budget)
+    AttentionInterface.register(MASKED, masked_attention(kept, prompt))
+    dense_tokens, dense_scores = greedy(tiny_model, ids, DynamicCache(config=config), MASKED, new)
+    assert tokens == dense_tokens
+    torch.testing.assert_close(scores, dense_scores, rtol=1e-4, atol=1e-4)
 
 
 def test_the_cache_holds_only_the_kept_entries_blocks(tiny_model):
