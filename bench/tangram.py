@@ -42,9 +42,16 @@ From that profile:
   each request's own cache (per-request appends and tables). Target >= 2.6 for both (Tangram:
   up to 2.6x).
 
+* ``tangram.quality.accuracy.{headwise,uniform,full}``: accuracy on the quality benchmark's
+  long-context retrieval set (``kvstack.bench.quality``: passkey, needle and QA items of 695-1317
+  tokens, greedy answers of at most 12 tokens, right when an answer string appears).
+  ``headwise``: ``HeadwiseCache`` with the calibrated profile; ``uniform``: the same cache with
+  every head at the profile's mean budget, so the same total number of prompt tokens is kept
+  (up to rounding) and only how it is shared between heads differs; ``full``: ``DynamicCache``.
+  ``tangram.quality.headwise_minus_uniform``: target >= 0.
+
 Also recorded: the profile's head-ranking stability (Spearman of each sample against the mean
-of the others) and its mean budget. Not measured yet: ``tangram.quality`` (head-wise versus a
-uniform budget at the same total, on the long-context set).
+of the others) and its mean budget.
 """
 
 from __future__ import annotations
@@ -64,6 +71,9 @@ DEPENDS_ON = (
     "kvstack/arena.py",
     "kvstack/serve",  # the engine
     "bench/serve.py",  # its trace and runs
+    "bench/quality.py",  # the long-context set and how an answer is scored
+    "bench/quality_data.py",
+    "bench/data/quality",
     "kvstack/calibrate.py",
     "kvstack/head_groups.py",
     "kvstack/models.py",
@@ -273,8 +283,14 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
     memory_figures, memory_workload = measure_memory(model, tokenizer, profile, quick, log)
     figures.update(memory_figures)
     log("engine: the serve trace on one fixed arena, lossless and head-wise")
+    eos = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None  # every request makes its whole output
     engine_figures, engine_workload = measure_engine(model, tokenizer, profile, quick, log)
+    model.generation_config.eos_token_id = eos  # the quality items stop at it
     figures.update(engine_figures)
+    log("quality: the long-context set, head-wise, uniform at the same total and full")
+    quality_figures, quality_workload = measure_quality(model, tokenizer, profile, quick, log)
+    figures.update(quality_figures)
 
     stability = profile.calibration
     figures["tangram.calibration.spearman_mean"] = Figure(
@@ -308,6 +324,7 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         "budgets": [list(row) for row in budgets],
         "memory": memory_workload,
         "engine": engine_workload,
+        "quality": quality_workload,
     }
     return Measured(
         figures=figures,
@@ -413,7 +430,6 @@ def measure_engine(
     from kvstack.bench import serve as serve_bench
     from kvstack.serve import CacheSpec
 
-    model.generation_config.eos_token_id = None  # every request makes its whole output
     requests = serve_bench.build_requests(tokenizer, quick)
     specs = {"full": CacheSpec(), "headwise": CacheSpec(profile=profile)}
     total_kv = serve_bench.full_kv_bytes(model, requests)
@@ -478,6 +494,83 @@ def measure_engine(
     return figures, workload
 
 
+def uniform_profile(profile: Any) -> Any:
+    """``profile`` with every head at its mean budget: the same total, shared evenly."""
+    import dataclasses
+
+    budgets = [b for row in profile.budgets for b in row]
+    mean = sum(budgets) / len(budgets)
+    uniform = tuple(tuple(mean for _ in row) for row in profile.budgets)
+    return dataclasses.replace(profile, budgets=uniform)
+
+
+def measure_quality(
+    model: Any, tokenizer: Any, profile: Any, quick: bool, log: Callable[[str], None]
+) -> tuple[dict[str, Figure], dict[str, Any]]:
+    """Accuracy on the long-context set: head-wise budgets, uniform ones of the same total,
+    and the full cache."""
+    from transformers import DynamicCache
+
+    from kvstack.bench import quality, quality_data
+    from kvstack.hf import HeadwiseCache
+    from kvstack.models import greedy_generation_config
+
+    config = quality.QUICK if quick else quality.FULL
+    items = quality_data.build_items(config.counts, seed=config.seed, words=config.words)
+    item_ids = [quality.prompt_ids(tokenizer, item) for item in items]
+    generation = greedy_generation_config(model, tokenizer, config.max_new_tokens)
+    even = uniform_profile(profile)
+    cases = {
+        "headwise": ("kvstack", lambda: HeadwiseCache(model.config, profile)),
+        "uniform": ("kvstack", lambda: HeadwiseCache(model.config, even)),
+        "full": ("sdpa", lambda: DynamicCache(config=model.config)),
+    }
+    correct: dict[str, list[bool]] = {}
+    kept: dict[str, list[float]] = {"headwise": [], "uniform": []}
+    for name, (attention, make) in cases.items():
+        model.set_attn_implementation(attention)
+        correct[name] = []
+        for item, ids in zip(items, item_ids, strict=True):
+            cache = make()
+            text = quality.generate_answer(model, tokenizer, ids, cache, generation)
+            correct[name].append(item.is_correct(text))
+            if name in kept:  # prompt tokens kept over all heads, as a fraction
+                prompt = ids.shape[1]
+                entries = sum(
+                    int(layer.batch.alive[:, :prompt].sum()) for layer in cache.paged_layers
+                )
+                heads = cache.expected_kv_heads
+                kept[name].append(entries / (prompt * len(cache.paged_layers) * heads))
+        log(f"  {name}: {sum(correct[name])}/{len(items)} right")
+    model.set_attn_implementation("sdpa")
+    accuracy = {name: sum(c) / len(c) for name, c in correct.items()}
+    figures = {
+        f"tangram.quality.accuracy.{name}": Figure(
+            value,
+            "fraction",
+            f"items right on the long-context set ({len(items)} items), {name}",
+        )
+        for name, value in accuracy.items()
+    }
+    figures["tangram.quality.headwise_minus_uniform"] = Figure(
+        accuracy["headwise"] - accuracy["uniform"],
+        "fraction",
+        "accuracy, head-wise budgets minus every head at their mean (the same total kept)",
+        (">=", 0.0),
+    )
+    workload = {
+        "items": {kind: sum(i.kind == kind for i in items) for kind in quality_data.KINDS},
+        "prompt_tokens": {
+            "min": min(int(i.shape[1]) for i in item_ids),
+            "max": max(int(i.shape[1]) for i in item_ids),
+        },
+        "max_new_tokens": config.max_new_tokens,
+        "uniform_budget": even.budgets[0][0],
+        "kept_prompt_fraction": {name: statistics.mean(v) for name, v in kept.items()},
+    }
+    return figures, workload
+
+
 def _budget_section(budgets: Sequence[Sequence[float]]) -> str:
     rows = ["| layer | " + " | ".join(f"head {h}" for h in range(len(budgets[0]))) + " |"]
     rows.append("|---|" + "---:|" * len(budgets[0]))
@@ -510,6 +603,7 @@ def readme_tables(results: dict) -> dict[str, str]:
                 "tangram.tokens_equal",
                 "tangram.max_concurrency",
                 "tangram.throughput",
+                "tangram.quality",
             )
         )
     ]

@@ -16,6 +16,7 @@ from kvstack.bench.tangram import (
     overallocations,
     readme_tables,
     split_fractions,
+    uniform_profile,
 )
 from kvstack.head_groups import group_heads, plan_ahead_of_time
 from spec_tests.tiny import tiny_llama_config
@@ -88,6 +89,9 @@ def test_the_readme_table_names_the_headline_figures_and_the_calibration():
         "tangram.calibration.spearman_min",
         "tangram.calibration.mean_budget",
         "tangram.decode_step_ms.dynamic",
+        "tangram.memory_ratio.headwise",
+        "tangram.max_concurrency_ratio",
+        "tangram.quality.headwise_minus_uniform",
     )
     results = {
         "figures": {name: dict(figure) for name in names},
@@ -108,5 +112,30 @@ def test_the_readme_table_names_the_headline_figures_and_the_calibration():
     }
     table = readme_tables(results)["tangram"]
     assert "`tangram.overallocation.sorted`" in table and "`tangram.imbalance.aot`" in table
+    assert "`tangram.memory_ratio.headwise`" in table and "`tangram.max_concurrency_ratio`" in table
+    assert "`tangram.quality.headwise_minus_uniform`" in table
     assert "`tangram.decode_step_ms.dynamic`" not in table  # the record stays in the file
     assert "50 pilot samples of 1024 tokens" in table
+
+
+def test_the_uniform_profile_shares_the_same_total_evenly():
+    from kvstack.calibrate import HeadProfile
+
+    profile = HeadProfile(
+        budgets=BUDGETS,
+        mean=BUDGETS,
+        std=tuple(tuple(0.0 for _ in row) for row in BUDGETS),
+        ratio=0.25,
+        alpha=2.0,
+        model={"num_hidden_layers": 2, "num_key_value_heads": 4},
+        calibration={"samples": 3},
+    )
+    uniform = uniform_profile(profile)
+    total = sum(map(sum, BUDGETS))
+    assert all(b == pytest.approx(total / 8) for row in uniform.budgets for b in row)
+    assert sum(map(sum, uniform.budgets)) == pytest.approx(total)
+    assert (uniform.model, uniform.calibration, uniform.ratio) == (
+        profile.model,
+        profile.calibration,
+        profile.ratio,
+    )
