@@ -364,19 +364,14 @@ class TieredStore:
             self.drop_copy(key, tier)
         # Demote to the next tier that is on (a host tier of 0 bytes sends pages to disk).
         lower = next((t for t in TIERS[TIERS.index(tier) + 1 :] if self.capacity[t] > 0), None)
-        if lower is None and self.may_drop and hasattr(self.rule, "rank_drops"):
+        if lower is None and self.may_drop:
             self._drop_for_room(tier, nbytes, protect)
             return
         homed = [p for p in self.pages.values() if p.home == tier and p.key != protect]
         for victim in self.rule.rank(homed, self.clock, lower):
-            if self.bytes_free(tier) >= nbytes:
-                return
-            if lower is not None:
-                self.move(victim.key, lower)
-            elif self.may_drop and victim.tokens and victim.key not in self._copying:
-                self.drop(victim.key)
-            elif not self.may_drop:
+            if self.bytes_free(tier) >= nbytes or lower is None:  # None: nowhere to go
                 break
+            self.move(victim.key, lower)
         if self.bytes_free(tier) < nbytes:
             raise TierFull(
                 f"{tier} tier: {nbytes} bytes needed, {self.bytes_free(tier)} of "
@@ -384,8 +379,10 @@ class TieredStore:
             )
 
     def _drop_for_room(self, tier: str, nbytes: int, protect: str | None) -> None:
-        """``make_room`` of the lowest tier by drops ranked with the rule's ``rank_drops``,
-        ranked again after each drop (what a drop costs depends on what was dropped)."""
+        """``make_room`` of the lowest tier by dropping KV pages (their tokens recompute them),
+        ranked again after each drop: by the rule's ``rank_drops`` where it has one (what a
+        drop costs depends on what was dropped), else by its demotion order."""
+        rank_drops = getattr(self.rule, "rank_drops", None)
         while self.bytes_free(tier) < nbytes:
             candidates = [
                 p
@@ -397,7 +394,10 @@ class TieredStore:
                     f"{tier} tier: {nbytes} bytes needed, {self.bytes_free(tier)} of "
                     f"{self.capacity[tier]} free after dropping every KV page that could go"
                 )
-            ranked = self.rule.rank_drops(candidates, self.clock, list(self.dropped.values()))
+            if rank_drops is not None:
+                ranked = rank_drops(candidates, self.clock, list(self.dropped.values()))
+            else:
+                ranked = self.rule.rank(candidates, self.clock, None)
             self.drop(ranked[0].key)
 
     # ------------------------------------------------------------------ internals
