@@ -463,6 +463,33 @@ def test_an_error_mid_step_leaves_no_half_written_cache(model, spec_name, monkey
     assert [h.output_ids for h in handles] == [solo(model, spec_name, i, n) for i, n in requests]
 
 
+def test_a_bad_headwise_spec_is_refused_and_the_arena_untouched(model):
+    from kvstack.calibrate import ProfileError
+    from kvstack.policies import StreamingLLM
+
+    for extra in ({"budget": 8}, {"ratio": 0.5}, {"reclaim": False}):
+        with pytest.raises(InvalidArgumentError, match="a profile gives every head"):
+            CacheSpec(profile=TINY_PROFILE, **extra)
+    with pytest.raises(InvalidArgumentError, match="HeadProfile.*got dict"):
+        CacheSpec(profile={"budgets": HEADWISE_BUDGETS})
+    arena = KVArena(64 * BLOCK_BYTES)
+    deeper = LlamaConfig(**{**TINY, "num_hidden_layers": 3})
+    other = HeadProfile(
+        budgets=((0.5, 0.5),) * 3,
+        mean=((0.5, 0.5),) * 3,
+        std=((0.0, 0.0),) * 3,
+        ratio=0.5,
+        alpha=2.0,
+        model=model_identity(deeper),
+        calibration={},
+    )
+    with pytest.raises(ProfileError, match="num_hidden_layers=3.*this model has.*=2"):
+        Engine(model, arena, cache=CacheSpec(profile=other))
+    with pytest.raises(InvalidArgumentError, match="per-head.*StreamingLLM"):
+        Engine(model, arena, cache=CacheSpec(policy=StreamingLLM(), profile=TINY_PROFILE))
+    assert arena.bytes_used == 0 and not arena.pages
+
+
 def test_bad_arguments_are_refused(model):
     with pytest.raises(InvalidArgumentError, match="dtype"):
         Engine(model, KVArena(64 * BLOCK_BYTES, dtype=torch.float16))
