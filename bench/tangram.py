@@ -39,8 +39,13 @@ From that profile:
   at once and output tokens/s, ``CacheSpec(profile=...)`` over ``CacheSpec()`` (lossless). What
   differs besides the cache: the lossless engine keeps every request's K/V in one stacked block
   table (one scatter and one attention call per layer for all requests); the head-wise one runs
-  each request's own cache (per-request appends and tables). Target >= 2.6 for both (Tangram:
-  up to 2.6x).
+  each request's own cache (per-request appends and tables; its decode attention is the ragged
+  op run from the profile's ahead-of-time work list for torch's CPU threads). Target >= 2.6 for
+  both (Tangram: up to 2.6x). ``.long_context``: the same on a trace of long prompts, the eight
+  benchmark prompts (1.2-1.3k tokens) with ``LONG_NEW_TOKENS`` new tokens each, all at once,
+  on an arena of a quarter of their full KV: the serve trace's prompts are short (median ~130
+  tokens), where SnapKV's observation window and the decode tokens, which every head keeps,
+  are much of what a request holds.
 
 * ``tangram.quality.accuracy.{headwise,uniform,full}``: accuracy on the quality benchmark's
   long-context retrieval set (``kvstack.bench.quality``: passkey, needle and QA items of 695-1317
@@ -56,6 +61,7 @@ of the others) and its mean budget.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -97,6 +103,8 @@ BLOCK_SIZE = 16
 REPEATS, QUICK_REPEATS = 20, 2  # interleaved rounds: each plans once and decodes a step
 MEMORY_NEW_TOKENS, QUICK_MEMORY_NEW_TOKENS = 32, 4
 ENGINE_REPEATS = 3  # timed engine runs of each cache, alternating: wall times are medians
+LONG_NEW_TOKENS, QUICK_LONG_NEW_TOKENS = 32, 4  # the long-context trace's outputs
+RECOMPILE_LIMIT = 64  # graphs dynamo may compile per function here (see measure)
 
 
 # --------------------------------------------------------------------------- the figures
@@ -180,6 +188,26 @@ def decode_step(model: Any, prompts: Sequence[Sequence[int]]) -> Callable[[], An
 
 # --------------------------------------------------------------------------- the run
 def measure(quick: bool, log: Callable[[str], None]) -> Measured:
+    import torch
+
+    from kvstack.bench.serve import RecompileLimitWatch
+
+    # The engine and quality runs meet many prompt lengths and batch sizes; past dynamo's
+    # default of 8 graphs per function it would run a kernel eagerly, and a run timed after that
+    # would time the uncompiled path. The limit is raised, and any hit is recorded.
+    with (
+        torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT),
+        RecompileLimitWatch() as watch,
+    ):
+        measured = _measure(quick, log)
+    measured.workload["recompile_limit"] = RECOMPILE_LIMIT
+    measured.workload["recompile_limit_hits"] = watch.hits
+    for hit in watch.hits:
+        log(f"warning: {hit}")
+    return measured
+
+
+def _measure(quick: bool, log: Callable[[str], None]) -> Measured:
     import torch
 
     from kvstack.calibrate import calibrate, pilot_samples
@@ -282,7 +310,7 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
     log("memory: HeadwiseCache, DynamicCache and the masked full cache on the benchmark prompts")
     memory_figures, memory_workload = measure_memory(model, tokenizer, profile, quick, log)
     figures.update(memory_figures)
-    log("engine: the serve trace on one fixed arena, lossless and head-wise")
+    log("engine: two traces on one fixed arena each, lossless and head-wise")
     eos = model.generation_config.eos_token_id
     model.generation_config.eos_token_id = None  # every request makes its whole output
     engine_figures, engine_workload = measure_engine(model, tokenizer, profile, quick, log)
@@ -423,14 +451,50 @@ def measure_memory(
     return figures, {"new_tokens": new_tokens, "prompts": rows}
 
 
+def long_context_requests(tokenizer: Any, quick: bool) -> list[tuple[list[int], int]]:
+    """The long-context trace: every benchmark prompt (1.2-1.3k tokens) with
+    ``LONG_NEW_TOKENS`` new tokens each, all arriving at once."""
+    from kvstack.bench.prompts import build_prompts
+
+    new = QUICK_LONG_NEW_TOKENS if quick else LONG_NEW_TOKENS
+    return [(p.input_ids[0].tolist(), new) for p in build_prompts(tokenizer, quick=quick)]
+
+
 def measure_engine(
     model: Any, tokenizer: Any, profile: Any, quick: bool, log: Callable[[str], None]
 ) -> tuple[dict[str, Figure], dict[str, Any]]:
-    """The serve trace on one fixed arena: HeadwiseCache over the lossless cache."""
+    """Two traces on one fixed arena each: HeadwiseCache over the lossless cache."""
+    from kvstack.bench import serve as serve_bench
+
+    figures, workload = {}, {}
+    traces = {
+        "": ("the serve trace", serve_bench.build_requests(tokenizer, quick)),
+        ".long_context": ("the benchmark prompts", long_context_requests(tokenizer, quick)),
+    }
+    for suffix, (what, requests) in traces.items():
+        log(f"  trace: {what}")
+        trace_figures, workload[suffix.lstrip(".") or "serve"] = measure_engine_trace(
+            model, profile, requests, quick, log
+        )
+        for name, figure in trace_figures.items():
+            figures[name + suffix] = dataclasses.replace(
+                figure, description=figure.description.replace("TRACE", what)
+            )
+    return figures, workload
+
+
+def measure_engine_trace(
+    model: Any,
+    profile: Any,
+    requests: list[tuple[list[int], int]],
+    quick: bool,
+    log: Callable[[str], None],
+) -> tuple[dict[str, Figure], dict[str, Any]]:
+    """``requests`` on one fixed arena of a quarter of their full KV: HeadwiseCache over the
+    lossless cache."""
     from kvstack.bench import serve as serve_bench
     from kvstack.serve import CacheSpec
 
-    requests = serve_bench.build_requests(tokenizer, quick)
     specs = {"full": CacheSpec(), "headwise": CacheSpec(profile=profile)}
     total_kv = serve_bench.full_kv_bytes(model, requests)
     largest = max(
@@ -470,7 +534,7 @@ def measure_engine(
         "tangram.max_concurrency_ratio": Figure(
             runs["headwise"]["peak_generating"] / runs["full"]["peak_generating"],
             "ratio",
-            "peak requests generating at once, HeadwiseCache / lossless, the serve trace on "
+            "peak requests generating at once, HeadwiseCache / lossless, TRACE on "
             f"one {capacity / 2**20:.1f} MiB arena",
             (">=", 2.6),
         ),
@@ -498,8 +562,7 @@ def uniform_profile(profile: Any) -> Any:
     """``profile`` with every head at its mean budget: the same total, shared evenly."""
     import dataclasses
 
-    budgets = [b for row in profile.budgets for b in row]
-    mean = sum(budgets) / len(budgets)
+    mean = profile.mean_budget
     uniform = tuple(tuple(mean for _ in row) for row in profile.budgets)
     return dataclasses.replace(profile, budgets=uniform)
 

@@ -97,6 +97,12 @@ class HeadProfile:
     def num_kv_heads(self) -> int:
         return len(self.budgets[0])
 
+    @property
+    def mean_budget(self) -> float:
+        """The mean of every head's budget: the fraction of a prompt the whole cache keeps."""
+        budgets = [budget for row in self.budgets for budget in row]
+        return sum(budgets) / len(budgets)
+
     def check_model(self, config: Any) -> None:
         """Raise ProfileError unless ``config`` has this profile's layers and KV heads."""
         theirs = model_identity(config)

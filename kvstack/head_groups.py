@@ -112,12 +112,21 @@ def overallocation(
 # --------------------------------------------------------------------------- load balancing
 @dataclass(frozen=True)
 class Split:
-    """One KV split of one head group: its table's key range ``[start, end)``, as fractions."""
+    """One KV split of one head group: part ``part`` of ``parts`` equal parts of its table, the
+    key range ``[start, end)`` as fractions of the table."""
 
     layer: int
     group: int  # index into the layer's groups
-    start: float
-    end: float
+    part: int
+    parts: int
+
+    @property
+    def start(self) -> float:
+        return self.part / self.parts
+
+    @property
+    def end(self) -> float:
+        return (self.part + 1) / self.parts
 
     def work(self, groups: Sequence[Sequence[HeadGroup]], length: int) -> float:
         """Keys this split reads for a sequence of ``length`` tokens (all its group's heads)."""
@@ -139,11 +148,15 @@ def plan_ahead_of_time(groups: Sequence[Sequence[HeadGroup]], workers: int) -> l
         splits = []
         for index, group in enumerate(layer_groups):
             count = max(1, round(group.reserved / tau))
-            splits += [
-                Split(group.layer, index, part / count, (part + 1) / count) for part in range(count)
-            ]
+            splits += [Split(group.layer, index, part, count) for part in range(count)]
         plan.append(splits)
     return plan
+
+
+def work_list(splits: Sequence[Split]) -> list[tuple[int, int, int]]:
+    """One layer's splits as the rows ``(group, part, parts)`` that the ragged decode attention
+    runs (``kvstack.reference.ragged``: ``torch.tensor(work_list(plan[layer]))``)."""
+    return [(split.group, split.part, split.parts) for split in splits]
 
 
 def run_in_launch_order(works: Sequence[float], workers: int) -> list[float]:

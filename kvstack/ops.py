@@ -49,6 +49,7 @@ class Operation:
 _SPEC = {
     "paged_attention": ("attention", "attention"),
     "decode_attention": ("attention", "attention"),
+    "ragged_decode_attention": ("ragged", "ragged"),
     "merge_attention_states": ("merge", "merge"),
     "multi_segment_attention": ("merge", "merge"),
     "copy_slots": ("repack", "repack"),

@@ -6,6 +6,8 @@ Plain PyTorch, one module per mechanism, each stating its invariants in its docs
     token_table  logical token -> physical slot, liveness, original position (vToken)
     repack       waste metric, repack planner and executor (vToken I1-I4)
     attention    attention over token tables for decode and prefill chunks, with LSE
+    ragged       decode attention over head groups' page tables, run from a static work list
+                 (Tangram)
     merge        merge of attention states by log-sum-exp; multi-segment attention (AsymCache)
     rope         chunked RoPE: rotate pre-RoPE keys, re-rotate stored keys (InferScale)
     arena        one memory budget: KV and state pages, compaction, private arenas (KVArena)
@@ -18,6 +20,7 @@ Nothing here imports from kvstack.compiled or kvstack.cuda_kernels.
 from kvstack.reference.attention import AttentionOutput, decode_attention, paged_attention
 from kvstack.reference.block_pool import BlockPool
 from kvstack.reference.merge import merge_attention_states, multi_segment_attention
+from kvstack.reference.ragged import ragged_decode_attention
 from kvstack.reference.repack import RepackPlan, copy_slots, execute_repack, plan_repack
 from kvstack.reference.rope import apply_rotary, rerotate_keys, rotate_keys
 from kvstack.reference.token_table import TokenTable
@@ -35,6 +38,7 @@ __all__ = [
     "multi_segment_attention",
     "paged_attention",
     "plan_repack",
+    "ragged_decode_attention",
     "rerotate_keys",
     "rotate_keys",
 ]

@@ -133,3 +133,162 @@ def rotary_embedding(rope_type: str, head_dim: int) -> torch.nn.Module:
         rope_parameters=dict(ROPE_PARAMETERS[rope_type]),
     )
     return LlamaRotaryEmbedding(config)
+
+
+@dataclass
+class RaggedCase:
+    """A decode step over head groups' tables (``kvstack.reference.ragged``), built from a dense
+    sequence: ``dense_keys``/``dense_values`` [B, N, H_kv, D] are every token's K/V and ``kept``
+    [B, H_kv, N] says which tokens each head kept; member i of a group's table holds, in slot j,
+    its head's j-th kept token. Cells no member reads hold large values, so reading one shows."""
+
+    query: torch.Tensor  # [B, 1, H_q, D]
+    key_cache: torch.Tensor  # [num_blocks, block_size, H_p, D]
+    value_cache: torch.Tensor
+    slots: torch.Tensor  # [B, G, T], -1 padded
+    lengths: torch.Tensor  # [B, G, H_p]
+    members: torch.Tensor  # [G, H_p], -1 = no head
+    work: torch.Tensor  # [W, 3] (group, part, parts)
+    dense_keys: torch.Tensor  # [B, N, H_kv, D]
+    dense_values: torch.Tensor
+    kept: torch.Tensor  # [B, H_kv, N] bool
+    scale: float | None = None
+
+    def args(self) -> tuple[torch.Tensor, ...]:
+        return (
+            self.query,
+            self.key_cache,
+            self.value_cache,
+            self.slots,
+            self.lengths,
+            self.members,
+            self.work,
+        )
+
+    def kwargs(self) -> dict:
+        return {"scale": self.scale}
+
+    def __repr__(self) -> str:
+        return (
+            f"RaggedCase(B={self.query.shape[0]}, H_q={self.query.shape[2]}, "
+            f"members={self.members.tolist()}, lengths={self.lengths.tolist()}, "
+            f"work={self.work.tolist()}, block_size={self.key_cache.shape[1]}, "
+            f"dtype={self.query.dtype})"
+        )
+
+
+def ragged_tables(
+    dense_keys: torch.Tensor,
+    dense_values: torch.Tensor,
+    kept: torch.Tensor,
+    members: torch.Tensor,
+    block_size: int,
+    gen: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Lay out each head's kept tokens in its group's table, the way Tangram's ragged pages do:
+    returns (key_cache, value_cache, slots [B, G, T], lengths [B, G, H_p])."""
+    batch, _, _, head_dim = dense_keys.shape
+    groups, h_p = members.shape
+    counts = kept.sum(dim=2)  # [B, H_kv]
+    lengths = torch.zeros((batch, groups, h_p), dtype=torch.int64)
+    for g in range(groups):
+        for i, head in enumerate(members[g].tolist()):
+            if head >= 0:
+                lengths[:, g, i] = counts[:, head]
+    table_len = max(1, int(lengths.max()) if lengths.numel() else 1)
+    num_blocks = -(-batch * groups * table_len // block_size) + 1
+    shape = (num_blocks, block_size, h_p, head_dim)
+    key_cache = 100 * torch.randn(shape, generator=gen).to(dense_keys.dtype)  # unread cells
+    value_cache = 100 * torch.randn(shape, generator=gen).to(dense_keys.dtype)
+    order = torch.randperm(num_blocks * block_size, generator=gen)  # scattered tables
+    slots = torch.full((batch, groups, table_len), -1, dtype=torch.int64)
+    key_rows, value_rows = key_cache.view(-1, h_p, head_dim), value_cache.view(-1, h_p, head_dim)
+    cursor = 0
+    for b in range(batch):
+        for g in range(groups):
+            used = int(lengths[b, g].max())
+            slots[b, g, :used] = order[cursor : cursor + used]
+            cursor += used
+            for i, head in enumerate(members[g].tolist()):
+                if head < 0:
+                    continue
+                tokens = kept[b, head].nonzero().flatten()  # in order
+                table = slots[b, g, : len(tokens)]
+                key_rows[table, i] = dense_keys[b, tokens, head]
+                value_rows[table, i] = dense_values[b, tokens, head]
+    return key_cache, value_cache, slots, lengths
+
+
+@st.composite
+def ragged_cases(draw, *, max_tokens: int = 40):
+    """Head groups of H_p (one short, anywhere), random per-head kept tokens (some heads keep
+    none), scattered tables, and a random work list: every group split into 1-5 parts (more
+    parts than keys leaves splits empty), its rows in random order."""
+    batch, h_kv = draw(st.integers(1, 3)), draw(st.integers(1, 5))
+    h_p = draw(st.integers(1, 3))
+    per_kv, head_dim = draw(st.sampled_from([1, 2, 3])), draw(st.sampled_from([8, 16]))
+    block_size = draw(st.sampled_from([1, 4, 16]))
+    dtype = draw(dtypes)
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+
+    heads = draw(st.permutations(range(h_kv)))
+    groups = -(-h_kv // h_p)
+    sizes = [h_p] * (h_kv // h_p)
+    if h_kv % h_p:
+        sizes.insert(draw(st.integers(0, len(sizes))), h_kv % h_p)
+    members = torch.full((groups, h_p), -1, dtype=torch.int64)
+    start = 0
+    for g, size in enumerate(sizes):
+        members[g, :size] = torch.tensor(heads[start : start + size])
+        start += size
+
+    tokens = draw(st.integers(0, max_tokens))
+    dense_keys = torch.randn((batch, tokens, h_kv, head_dim), generator=gen).to(dtype)
+    dense_values = torch.randn((batch, tokens, h_kv, head_dim), generator=gen).to(dtype)
+    keep_fraction = draw(st.sampled_from([0.0, 0.3, 0.7, 1.0]))
+    kept = torch.rand((batch, h_kv, tokens), generator=gen) < keep_fraction
+    key_cache, value_cache, slots, lengths = ragged_tables(
+        dense_keys, dense_values, kept, members, block_size, gen
+    )
+    rows = [
+        (g, part, parts)
+        for g in range(groups)
+        for parts in [draw(st.integers(1, 5))]
+        for part in range(parts)
+    ]
+    rows = draw(st.permutations(rows))
+    work = torch.tensor(rows, dtype=torch.int64).view(-1, 3)
+    index_dtype = draw(st.sampled_from([torch.int64, torch.int32]))
+    query = torch.randn((batch, 1, h_kv * per_kv, head_dim), generator=gen).to(dtype)
+    return RaggedCase(
+        query,
+        key_cache,
+        value_cache,
+        slots.to(index_dtype),
+        lengths.to(index_dtype),
+        members.to(index_dtype),
+        work.to(index_dtype),
+        dense_keys,
+        dense_values,
+        kept,
+        draw(st.none() | st.floats(0.05, 2.0)),
+    )
+
+
+def dense_masked_decode(case: RaggedCase) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense attention of each query head over every token of the sequence with the entries its
+    KV head did not keep masked (-inf before the softmax): out [B, 1, H_q, D] float32, lse
+    [B, 1, H_q]; a head that kept nothing gets out 0, lse -inf."""
+    batch, _, h_q, head_dim = case.query.shape
+    h_kv = case.kept.shape[1]
+    per_kv = h_q // h_kv
+    scale = head_dim**-0.5 if case.scale is None else case.scale
+    query = case.query.float().view(batch, h_kv, per_kv, head_dim)  # [B, H_kv, per_kv, D]
+    keys = case.dense_keys.float().permute(0, 2, 1, 3)  # [B, H_kv, N, D]
+    values = case.dense_values.float().permute(0, 2, 1, 3)
+    scores = scale * query @ keys.transpose(-1, -2)  # [B, H_kv, per_kv, N]
+    scores = scores.masked_fill(~case.kept[:, :, None, :], -torch.inf)
+    lse = torch.logsumexp(scores, dim=-1)  # [B, H_kv, per_kv]
+    safe = torch.where(lse == -torch.inf, torch.zeros_like(lse), lse)
+    out = torch.exp(scores - safe[..., None]) @ values  # [B, H_kv, per_kv, D]
+    return out.reshape(batch, 1, h_q, head_dim), lse.reshape(batch, 1, h_q)

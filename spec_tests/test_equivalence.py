@@ -16,7 +16,13 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from kvstack import ops
-from spec_tests.strategies import TOLERANCES, attention_cases, dtypes, rotary_embedding
+from spec_tests.strategies import (
+    TOLERANCES,
+    attention_cases,
+    dtypes,
+    ragged_cases,
+    rotary_embedding,
+)
 
 FAST_BACKENDS = [b for b in ops.BACKENDS if b != "reference"]
 
@@ -68,6 +74,17 @@ def decode_inputs(draw):
     query = torch.randn((batch, 1, h_kv * group, head_dim), generator=gen).to(dtype)
     scale = draw(st.none() | st.floats(0.05, 2.0))
     return (query, key_cache, value_cache, slots), {"scale": scale, "return_weights": True}, dtype
+
+
+@st.composite
+def ragged_inputs(draw):
+    case = draw(ragged_cases())
+    return case.args(), case.kwargs(), case.query.dtype
+
+
+def compare_ragged(fast, ref, dtype):
+    assert_close(fast.out, ref.out, dtype, "out")
+    assert_lse_close(fast.lse, ref.lse, "lse")
 
 
 @st.composite
@@ -234,6 +251,7 @@ def call(fn, args, kwargs):
 CASES = {
     "paged_attention": (attention_inputs(), call, compare_attention),
     "decode_attention": (decode_inputs(), call, compare_attention),
+    "ragged_decode_attention": (ragged_inputs(), call, compare_ragged),
     "merge_attention_states": (merge_inputs(), call, compare_merge),
     "multi_segment_attention": (multi_segment_inputs(), call, compare_multi_segment),
     "copy_slots": (copy_slots_inputs(), run_copy_slots, compare_copy_slots),

@@ -112,6 +112,53 @@ def test_budgets_below_one_equal_a_full_cache_with_those_entries_masked(tiny_mod
     assert not torch.allclose(scores, full_scores, rtol=1e-4, atol=1e-4)
 
 
+def test_decode_steps_run_the_ragged_attention_from_the_ahead_of_time_work_list(
+    tiny_model, monkeypatch
+):
+    """Every decode step of every layer is one ragged attention call with the cache's static
+    plan for that layer (sorted groups of one head, Tangram's splits for ``workers``); how many
+    splits the plan makes does not change a token."""
+    from kvstack import ops
+    from kvstack.head_groups import group_heads, plan_ahead_of_time, work_list
+
+    config, ids = tiny_model.config, prompt_ids()
+    op = ops.operations()["ragged_decode_attention"]
+    calls = []
+    for backend, implementation in list(op.implementations.items()):
+
+        def spy(*args, _run=implementation, **kwargs):
+            calls.append((args[5].tolist(), args[6].tolist()))  # members, work
+            return _run(*args, **kwargs)
+
+        monkeypatch.setitem(op.implementations, backend, spy)
+    results = {}
+    for workers in (1, 7):
+        calls.clear()
+        cache = HeadwiseCache(
+            config, profile_for(config, BUDGETS), policy=SnapKV(window=WINDOW), workers=workers
+        )
+        results[workers] = greedy(tiny_model, ids, cache, "kvstack")
+        assert len(calls) == (NEW - 1) * len(BUDGETS)  # decode steps x attention layers
+        groups = group_heads(BUDGETS, 1, "sorted")
+        plan = plan_ahead_of_time(groups, workers)
+        for step in range(NEW - 1):
+            for row in range(len(BUDGETS)):
+                members, work = calls[step * len(BUDGETS) + row]
+                assert members == [list(group.heads) for group in groups[row]]
+                assert work == [list(w) for w in work_list(plan[row])]
+    assert max(len(w) for _, w in calls) > len(BUDGETS[0])  # 7 workers: some head is split
+    assert results[1][0] == results[7][0]
+    torch.testing.assert_close(results[1][1], results[7][1], rtol=1e-4, atol=1e-4)
+
+
+def test_workers_that_are_not_a_positive_int_are_refused(tiny_model):
+    for workers in (0, -1, 2.0, True):
+        with pytest.raises(InvalidArgumentError, match="workers must be an int >= 1"):
+            HeadwiseCache(
+                tiny_model.config, profile_for(tiny_model.config, BUDGETS), workers=workers
+            )
+
+
 @settings(max_examples=10, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     budgets=st.lists(

@@ -209,9 +209,41 @@ def _attend_tables(
             _attend_rows(layer, query_bthd, view, t_q - observed, scaling, window, weights=True)
         layer.after_attention()
         return out
-    out = _attend_rows(layer, query_bthd, view, 0, scaling, window, weights=want_weights)
+    plan = layer.ragged_plan() if t_q == 1 and window is None and not want_weights else None
+    if plan is not None:
+        out = _attend_ragged(query_bthd, view, plan, scaling)
+    else:
+        out = _attend_rows(layer, query_bthd, view, 0, scaling, window, weights=want_weights)
     layer.after_attention()
     return out
+
+
+def _attend_ragged(
+    query_bthd: torch.Tensor,
+    view: tuple[torch.Tensor, ...],
+    plan: tuple[torch.Tensor, torch.Tensor],
+    scaling: float | None,
+) -> torch.Tensor:
+    """A decode step of a layer with one table per (row, KV head) through the ragged decode
+    attention, run from the layer's static work list (``plan``: its head groups, each of one
+    head, and the splits of each). Returns [B, 1, H_q, D]."""
+    key_cache, value_cache, slots, _ = view  # slots [B * H_kv, T]: table row * H_kv + head
+    members, work = plan
+    batch = query_bthd.shape[0]
+    tables = slots.view(batch, -1, slots.shape[1])[:, members[:, 0]]  # [B, G, T]: group order
+    lengths = (tables >= 0).sum(dim=2, keepdim=True)  # [B, G, 1]: live tokens come first
+    result = ops.get("ragged_decode_attention", _BACKEND)(
+        query_bthd,
+        key_cache,
+        value_cache,
+        tables,
+        lengths,
+        members,
+        work,
+        scale=scaling,
+        check=False,  # built from the layer's own tables and pool
+    )
+    return result.out
 
 
 def _attend_rows(

@@ -11,11 +11,16 @@ table per KV head (each head its own tokens, in its own blocks drawn from the ar
    the blocks of a full one, where kvpress-style head-wise compression (AdaKV) only masks them.
 2. **decode**: every new token is kept (Tangram compresses the prompt once); attention reads only
    the tables, so it is a full cache's attention with the evicted prompt entries of each head
-   masked. With every budget 1.0 nothing is evicted: the tokens are ``PagedCache``'s.
+   masked. With every budget 1.0 nothing is evicted: the tokens are ``PagedCache``'s. A decode
+   step runs the ragged decode attention (``kvstack.reference.ragged``, a registered op) from
+   Tangram's static work list: per layer, the head groups sorted by budget and each group's
+   KV splits for ``workers`` workers (``kvstack.head_groups.plan_ahead_of_time``), planned
+   once from the profile and reused at every step, length and batch size.
 
 Tables hold one KV head each (``heads_per_group`` 1 in ``kvstack.head_groups``' terms): each
 head's pages are sized by its own budget, so nothing is reserved beyond block rounding. Groups of
-several heads sharing one table (Tangram's layout for GPU kernels) are not built here.
+several heads sharing one table (Tangram's layout for GPU kernels, which the ragged attention
+takes) are not built here.
 
     profile = HeadProfile.load("profile.json")
     cache = HeadwiseCache(model.config, profile)
@@ -34,6 +39,7 @@ import torch
 from kvstack.arena import KVArena
 from kvstack.calibrate import HeadProfile, ProfileError
 from kvstack.errors import InvalidArgumentError
+from kvstack.head_groups import group_heads, plan_ahead_of_time, work_list
 from kvstack.hf.token_table_cache import TokenTableCache, TokenTableLayer
 from kvstack.policies import EvictionPolicy, SnapKV
 from kvstack.reference.repack import DEFAULT_WASTE_THRESHOLD
@@ -57,9 +63,13 @@ class HeadwiseLayer(TokenTableLayer):
         return not self.prefilled
 
     def after_attention(self) -> None:
-        if self.prefilled:  # a decode step: its token is kept
-            self.budgets = list(self.batch.num_live)
+        if self.prefilled:  # a decode step: its token is kept, nothing to evict or repack
+            return
         super().after_attention()
+
+    def ragged_plan(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # Decode steps run the ragged attention from the cache's work list for this layer.
+        return self.cache.ragged_plan(self.layer_idx, self.device)
 
 
 class HeadwiseCache(TokenTableCache):
@@ -70,7 +80,9 @@ class HeadwiseCache(TokenTableCache):
 
     ``profile``: a ``HeadProfile`` or the path of a profile file, made for this model (its layer
     and KV head counts must match the config's). ``policy``: the per-head score that picks each
-    head's tokens, SnapKV by default (the score the profile was calibrated with)."""
+    head's tokens, SnapKV by default (the score the profile was calibrated with). ``workers``:
+    how many workers the decode attention's static work list balances its splits over; by
+    default the device's (a GPU's multiprocessors, or torch's CPU threads)."""
 
     layer_class = HeadwiseLayer
 
@@ -84,7 +96,12 @@ class HeadwiseCache(TokenTableCache):
         block_size: int = 16,
         repack_threshold: float = DEFAULT_WASTE_THRESHOLD,
         prefill_chunk: int | None = None,
+        workers: int | None = None,
     ) -> None:
+        if workers is not None and (
+            isinstance(workers, bool) or not isinstance(workers, int) or workers < 1
+        ):
+            raise InvalidArgumentError(f"workers must be an int >= 1 or None, got {workers!r}")
         if isinstance(profile, (str, os.PathLike)):
             profile = HeadProfile.load(profile)
         if not isinstance(profile, HeadProfile):
@@ -118,19 +135,33 @@ class HeadwiseCache(TokenTableCache):
             )
         # Model layer index -> the profile's row (its place among the attention layers).
         self._profile_row = {layer.layer_idx: i for i, layer in enumerate(self.paged_layers)}
+        # Decode attention's head groups (one head each, sorted by budget), planned once.
+        self.head_groups = group_heads(profile.budgets, 1, "sorted")
+        self.workers = workers
+        self._plans: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __repr__(self) -> str:
         return (
             f"HeadwiseCache(layers={self.profile.num_layers}, kv_heads={self.profile.num_kv_heads}"
-            f", mean budget={self.mean_budget():.3f}, policy={self.policy!r})"
+            f", mean budget={self.profile.mean_budget:.3f}, policy={self.policy!r})"
         )
 
     def per_head_tables(self) -> bool:
         return True
 
-    def mean_budget(self) -> float:
-        budgets = [b for row in self.profile.budgets for b in row]
-        return sum(budgets) / len(budgets)
+    def ragged_plan(
+        self, layer_idx: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(members [G, 1], work [W, 3]) of layer ``layer_idx`` on ``device``: its head groups
+        and Tangram's ahead-of-time work list for them, made on first use and reused."""
+        key = (layer_idx, torch.device(device))
+        if key not in self._plans:
+            workers = self.workers or device_workers(key[1])
+            groups = self.head_groups[self._profile_row[layer_idx]]
+            plan = plan_ahead_of_time([groups], workers)[0]
+            members = torch.tensor([group.heads for group in groups], device=device)
+            self._plans[key] = (members, torch.tensor(work_list(plan), device=device))
+        return self._plans[key]
 
     def head_budget(self, layer_idx: int, head: int, prompt_tokens: int) -> int:
         """Live tokens KV head ``head`` of layer ``layer_idx`` keeps of a ``prompt_tokens``-token
@@ -158,6 +189,14 @@ class HeadwiseCache(TokenTableCache):
             for layer in self.paged_layers
             for head in range(self.expected_kv_heads)
         )
+
+
+def device_workers(device: torch.device) -> int:
+    """How many workers run a decode attention's splits at once on ``device``: a GPU's
+    multiprocessors, or the CPU threads torch uses."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return torch.get_num_threads()
 
 
 def kept_prompt_entries(cache: HeadwiseCache, prompt_tokens: int) -> dict[int, torch.Tensor]:

@@ -249,6 +249,11 @@ class PagedLayer(CacheLayerMixin):
     def wants_attention_weights(self) -> bool:
         return False
 
+    def ragged_plan(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(members [G, H_p], work [W, 3]) when this layer's decode steps run the ragged decode
+        attention (``kvstack.reference.ragged``) from a static work list; None: the paged one."""
+        return None
+
     def observed_queries(self, query_length: int) -> int:
         """How many of this step's last queries need attention weights (``observe_attention``);
         the first ``query_length`` minus that many are announced to ``skip_queries``."""

@@ -78,10 +78,9 @@ class CacheSpec:
         fields += ["reclaim=False"] if not self.reclaim else []
         fields += [f"block_size={self.block_size}"]
         if self.profile is not None:
-            budgets = [b for row in self.profile.budgets for b in row]
             fields.append(
                 f"profile=<{self.profile.num_layers} layers x {self.profile.num_kv_heads} heads, "
-                f"mean budget {sum(budgets) / len(budgets):.3f}>"
+                f"mean budget {self.profile.mean_budget:.3f}>"
             )
         return f"CacheSpec({', '.join(fields)})"
 
