@@ -207,8 +207,9 @@ def test_evicting_prefills_over_steps_fit_their_admission_bytes(model, spec_name
 
 
 def count_paged_attention(monkeypatch, on_call=None) -> list[int]:
-    """Count (and record the rows of) every ``paged_attention`` call from now on; ``on_call``
-    (the call's number) runs before each."""
+    """Count (and record the rows of) every attention call over tables from now on
+    (``paged_attention``, and ``ragged_decode_attention``, which head-wise decodes run);
+    ``on_call`` (the call's number) runs before each."""
     from kvstack import ops
 
     calls: list[int] = []
@@ -216,7 +217,7 @@ def count_paged_attention(monkeypatch, on_call=None) -> list[int]:
 
     def get(name, backend=None):
         attention = real_get(name, backend)
-        if name != "paged_attention":
+        if name not in ("paged_attention", "ragged_decode_attention"):
             return attention
 
         def counted(*args, **kwargs):
@@ -282,9 +283,9 @@ def test_decode_rows_split_into_pieces_give_each_request_its_solo_tokens(
     serving.run()
     assert [h.output_ids for h in handles] == [solo(model, spec_name, i, n) for i, n in requests]
     # H2O and SnapKV observe the weights of every decode step: their rows stay whole. A
-    # head-wise cache evicts only its prompt: its decode rows are split too.
+    # head-wise cache's decodes run the ragged attention, split by its profile's work list.
     spec = SPECS[spec_name]
-    assert bool(split) is (not spec.evicting or spec.headwise)
+    assert bool(split) is (not spec.evicting)
 
 
 @pytest.mark.parametrize("spec_name", ["paged", "h2o"])
@@ -682,6 +683,38 @@ def test_a_layout_of_a_hybrid_system_is_refused_for_a_model_without_states(model
         Engine(model, KVArena("1MiB"), layout="fixed_dual")
     with pytest.raises(InvalidArgumentError, match="layout must be one of"):
         Engine(model, KVArena("1MiB"), layout="unified")
+
+
+def test_headwise_decodes_of_several_requests_run_one_ragged_call_per_layer(model, monkeypatch):
+    """The head-wise requests of a step share their profile's plan for each layer: one ragged
+    decode attention call per layer takes all of them, with that plan's work list."""
+    from kvstack import ops
+    from kvstack.head_groups import group_heads, plan_ahead_of_time, work_list
+
+    op = ops.operations()["ragged_decode_attention"]
+    calls = []
+    for backend, implementation in list(op.implementations.items()):
+
+        def spy(*args, _run=implementation, **kwargs):
+            calls.append((args[0].shape[0], args[5], args[6]))  # rows, members, work
+            return _run(*args, **kwargs)
+
+        monkeypatch.setitem(op.implementations, backend, spy)
+    requests = [(prompt(20 + 7 * i, 90 + i), 6) for i in range(3)]
+    serving = engine(model, "headwise", 64 * BLOCK_BYTES, max_batch_tokens=64)
+    handles = [serving.submit(ids, n) for ids, n in requests]
+    while not all(h.output_ids for h in handles):  # every prompt in
+        serving.step()
+    calls.clear()
+    serving.step()
+    assert [rows for rows, _, _ in calls] == [3] * TINY["num_hidden_layers"]
+    groups = group_heads(TINY_PROFILE.budgets, 1, "sorted")
+    plan = plan_ahead_of_time(groups, torch.get_num_threads())  # the CPU's workers
+    for row, (_, members, work) in enumerate(calls):
+        assert members.tolist() == [list(group.heads) for group in groups[row]]
+        assert work.tolist() == [list(split) for split in work_list(plan[row])]
+    serving.run()
+    assert [h.output_ids for h in handles] == [solo(model, "headwise", i, n) for i, n in requests]
 
 
 def test_a_headwise_request_is_admitted_with_its_compressed_prompt_not_its_whole_prompt(model):

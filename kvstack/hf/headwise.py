@@ -135,9 +135,7 @@ class HeadwiseCache(TokenTableCache):
             )
         # Model layer index -> the profile's row (its place among the attention layers).
         self._profile_row = {layer.layer_idx: i for i, layer in enumerate(self.paged_layers)}
-        # Decode attention's head groups (one head each, sorted by budget), planned once.
-        self.head_groups = group_heads(profile.budgets, 1, "sorted")
-        self.workers = workers
+        self.workers = workers  # of the decode attention's work list (ragged_plan)
         self._plans: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __repr__(self) -> str:
@@ -157,10 +155,9 @@ class HeadwiseCache(TokenTableCache):
         key = (layer_idx, torch.device(device))
         if key not in self._plans:
             workers = self.workers or device_workers(key[1])
-            groups = self.head_groups[self._profile_row[layer_idx]]
-            plan = plan_ahead_of_time([groups], workers)[0]
-            members = torch.tensor([group.heads for group in groups], device=device)
-            self._plans[key] = (members, torch.tensor(work_list(plan), device=device))
+            self._plans[key] = _ragged_plan(
+                self.profile, self._profile_row[layer_idx], workers, key[1]
+            )
         return self._plans[key]
 
     def head_budget(self, layer_idx: int, head: int, prompt_tokens: int) -> int:
@@ -189,6 +186,31 @@ class HeadwiseCache(TokenTableCache):
             for layer in self.paged_layers
             for head in range(self.expected_kv_heads)
         )
+
+
+# (id(profile), layer row, workers, device) -> (profile, (members, work)): caches of one profile
+# share their plans' tensors, so the engine sees at a glance (``is``) that its head-wise requests
+# run one plan. The profile is held, so its id is not reused while the entry lives.
+_PLANS: dict[tuple, tuple[HeadProfile, tuple[torch.Tensor, torch.Tensor]]] = {}
+_MAX_PLANS = 1024
+
+
+def _ragged_plan(
+    profile: HeadProfile, row: int, workers: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(members [G, 1], work [W, 3]) of the profile's attention layer ``row``: its heads sorted
+    by budget, one per group, and Tangram's ahead-of-time splits of them for ``workers``."""
+    key = (id(profile), row, workers, device)
+    entry = _PLANS.get(key)
+    if entry is None or entry[0] is not profile:
+        groups = group_heads(profile.budgets, 1, "sorted")[row]
+        plan = plan_ahead_of_time([groups], workers)[0]
+        members = torch.tensor([group.heads for group in groups], device=device)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        work = torch.tensor(work_list(plan), device=device)
+        entry = _PLANS[key] = (profile, (members, work))
+    return entry[1]  # the same tuple for every cache of this profile
 
 
 def device_workers(device: torch.device) -> int:

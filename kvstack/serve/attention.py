@@ -139,6 +139,15 @@ def attend_decodes(
     attention = ops.get("paged_attention", kv_attention._BACKEND)
     for members in groups.values():
         key_cache, value_cache = views[members[0]][0], views[members[0]][1]
+        plan = _shared_ragged_plan([layers[i] for i in members])
+        if plan is not None:  # head-wise requests of one profile: one ragged call for all
+            outs = _attend_ragged_rows(
+                [queries[i] for i in members], [views[i] for i in members], plan, scaling
+            )
+            for index, out in zip(members, outs, strict=True):
+                layers[index].after_attention()
+                results[index] = out
+            continue
         rows, slot_rows, position_rows, query_rows = [], [], [], []
         for index in members:
             layer, (_, _, slots, positions) = layers[index], views[index]
@@ -189,6 +198,50 @@ def attend_decodes(
             results[index] = layer.merge_output(result.out[start : start + count])
             start += count
     return results
+
+
+def _shared_ragged_plan(layers: list[Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The ragged plan (``PagedLayer.ragged_plan``) every one of ``layers`` runs, if they all
+    run the same one (caches of one profile share their plans' tensors) and none of them wants
+    this step's attention weights (a prompt's last one-token chunk: its policy scores it), else
+    None."""
+    if any(layer.wants_attention_weights() for layer in layers):
+        return None
+    plans = [layer.ragged_plan() for layer in layers]
+    first = plans[0]
+    if first is None or any(plan is not first for plan in plans[1:]):
+        return None
+    return first
+
+
+def _attend_ragged_rows(
+    queries: list[torch.Tensor],
+    views: list[tuple[torch.Tensor, ...]],
+    plan: tuple[torch.Tensor, torch.Tensor],
+    scaling: float | None,
+) -> list[torch.Tensor]:
+    """One decode token of each of R requests' layers whose tables hold one KV head each
+    (``HeadwiseLayer``), through one ragged decode attention call from their shared work
+    list: ``queries`` [1, H_q, 1, D] each, ``views`` their ``attention_view``s (one row per
+    KV head). Returns [1, 1, H_q, D] each. ``kvstack.hf.attention._attend_ragged``, batched."""
+    members, work = plan
+    width = max(view[2].shape[1] for view in views)
+    tables = torch.stack([_pad(view[2], width, -1) for view in views])  # [R, H_kv, width]
+    tables = tables[:, members[:, 0]]  # [R, G, width]: groups of one head, in plan order
+    lengths = (tables >= 0).sum(dim=2, keepdim=True)  # [R, G, 1]: live tokens come first
+    query = torch.cat([q.transpose(1, 2) for q in queries])  # [R, 1, H_q, D]
+    result = ops.get("ragged_decode_attention", kv_attention._BACKEND)(
+        query,
+        views[0][0],
+        views[0][1],
+        tables,
+        lengths,
+        members,
+        work,
+        scale=scaling,
+        check=False,  # built from the layers' own tables and the shared pool
+    )
+    return list(result.out.split(1))  # [1, 1, H_q, D] each
 
 
 def _pad(rows: torch.Tensor, width: int, value: int) -> torch.Tensor:
