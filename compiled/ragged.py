@@ -5,12 +5,15 @@ a GPU kernel runs the list, one tile per work row: row w of group g reads, for e
 its key range of g's table into a tile of ``tile`` positions (the longest range of any row), all
 H_p members at once (they share the table's slots), and produces a partial state per member's
 query heads. The partial states are then merged per KV head by log-sum-exp in one reduction over
-(row, member). No Python loop over rows, sequences or heads; the tiles hold about the keys the
-tables hold (the work list balances the ranges), not W copies of every table.
+(row, member). No Python loop over rows, sequences or heads; for one sequence the tiles hold
+about the keys its tables hold (the work list balances the ranges), not W copies of a table.
 
-The tile width is read from the lengths before the call (one host sync per step); every other
-shape is dynamic, the scale is applied in eager and the KV head count is a shape, so one graph
-per dtype serves every batch, length, head layout and work list.
+The tile width and the KV head count are read before the call (two host syncs per call); every
+other shape is dynamic, the scale is applied in eager and the KV head count enters as a shape,
+so one graph per dtype serves batches, lengths, head layouts and work lists (dynamo still
+specialises dims of size 0 or 1, e.g. batch 1, into graphs of their own). The tile is the
+longest range of any row over the batch: a batch mixing long and short sequences pads the
+short ones' tiles to it.
 """
 
 from __future__ import annotations
@@ -35,11 +38,15 @@ def _ragged(query, key_rows, value_rows, slots, lengths, members, work, kv_heads
     pos = start[..., None] + torch.arange(tile, device=slots.device)  # [B, W, L]
     in_range = pos < end[..., None]  # [B, W, L]
     pos_safe = pos.clamp(max=slots.shape[2] - 1)
-    slot = slots[:, group].gather(2, pos_safe).clamp(min=0)  # [B, W, L]
+    # Positions past a row's range may hold any padding (the spec reads only below each used
+    # length): they read slot 0, whose value is then masked.
+    slot = torch.where(in_range, slots[:, group].gather(2, pos_safe), 0)  # [B, W, L]
     keys = key_rows[slot].float()  # [B, W, L, H_p, D]: every member of the row's group
-    values = value_rows[slot].float()
     member_len = lengths[:, group]  # [B, W, H_p]
     visible = in_range[:, :, None, :] & (pos[:, :, None, :] < member_len[..., None])  # [B,W,H_p,L]
+    # Cells no member reads (a short member's tail) may hold anything, NaN included: zero their
+    # values, since a masked probability of 0 times NaN would still be NaN.
+    values = value_rows[slot].float().masked_fill(~visible.transpose(2, 3)[..., None], 0.0)
 
     heads = members[group]  # [W, H_p]: each member's KV head, -1 = none
     q = query.reshape(batch, h_kv, h_q // h_kv, head_dim)  # [B, H_kv, per_kv, D]
@@ -86,7 +93,12 @@ def ragged_decode_attention(
     group, part, parts = work[:, 0], work[:, 1], work[:, 2]
     used = lengths.amax(dim=2)[:, group]  # [B, W]
     span = (part + 1) * used // parts - part * used // parts
-    tile = max(1, int(span.max())) if span.numel() else 1  # the longest row's range
+    tile = int(span.max()) if span.numel() else 0  # the longest row's range
+    if tile == 0:  # no member of any sequence holds an entry: the spec's empty result
+        batch, _, h_q, _ = query.shape
+        out = torch.zeros_like(query)
+        lse = torch.full((batch, 1, h_q), -math.inf, device=query.device)
+        return AttentionOutput(out, lse, None)
     # Everything that would make a new graph per value is settled here, in eager: the scale
     # (a float dynamo would specialise on) is applied to the query, the index dtypes are made
     # one, and the KV head count travels as a shape (arange), not as an int.

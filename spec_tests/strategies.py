@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -184,9 +185,15 @@ def ragged_tables(
     members: torch.Tensor,
     block_size: int,
     gen: torch.Generator,
+    *,
+    extra_columns: int = 0,
+    junk: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Lay out each head's kept tokens in its group's table, the way Tangram's ragged pages do:
-    returns (key_cache, value_cache, slots [B, G, T], lengths [B, G, H_p])."""
+    returns (key_cache, value_cache, slots [B, G, T], lengths [B, G, H_p]). T is the longest
+    member's length plus ``extra_columns`` (0 when nothing is kept and no column is added).
+    Unread cells hold large values, or with ``junk`` NaN and inf, and padding slots -1, or with
+    ``junk`` any integer (the spec reads neither)."""
     batch, _, _, head_dim = dense_keys.shape
     groups, h_p = members.shape
     counts = kept.sum(dim=2)  # [B, H_kv]
@@ -195,13 +202,24 @@ def ragged_tables(
         for i, head in enumerate(members[g].tolist()):
             if head >= 0:
                 lengths[:, g, i] = counts[:, head]
-    table_len = max(1, int(lengths.max()) if lengths.numel() else 1)
+    table_len = (int(lengths.max()) if lengths.numel() else 0) + extra_columns
     num_blocks = -(-batch * groups * table_len // block_size) + 1
     shape = (num_blocks, block_size, h_p, head_dim)
-    key_cache = 100 * torch.randn(shape, generator=gen).to(dense_keys.dtype)  # unread cells
-    value_cache = 100 * torch.randn(shape, generator=gen).to(dense_keys.dtype)
+    if junk:  # unread cells: NaN and inf, which poison any sum that reads them
+        unread = torch.tensor([math.nan, math.inf, -math.inf])
+        pick = torch.randint(0, 3, shape, generator=gen)
+        key_cache = unread[pick].to(dense_keys.dtype)
+        value_cache = unread[torch.randint(0, 3, shape, generator=gen)].to(dense_keys.dtype)
+    else:
+        key_cache = 100 * torch.randn(shape, generator=gen).to(dense_keys.dtype)
+        value_cache = 100 * torch.randn(shape, generator=gen).to(dense_keys.dtype)
     order = torch.randperm(num_blocks * block_size, generator=gen)  # scattered tables
-    slots = torch.full((batch, groups, table_len), -1, dtype=torch.int64)
+    if junk:  # padding past a table's used length: anything, even slots beyond the pool
+        slots = torch.randint(
+            -1, num_blocks * block_size + 50, (batch, groups, table_len), generator=gen
+        )
+    else:
+        slots = torch.full((batch, groups, table_len), -1, dtype=torch.int64)
     key_rows, value_rows = key_cache.view(-1, h_p, head_dim), value_cache.view(-1, h_p, head_dim)
     cursor = 0
     for b in range(batch):
@@ -222,8 +240,10 @@ def ragged_tables(
 @st.composite
 def ragged_cases(draw, *, max_tokens: int = 40):
     """Head groups of H_p (one short, anywhere), random per-head kept tokens (some heads keep
-    none), scattered tables, and a random work list: every group split into 1-5 parts (more
-    parts than keys leaves splits empty), its rows in random order."""
+    none, some cases nothing at all, tables of width 0 among them), scattered tables whose
+    unread cells and padding may be junk (NaN, inf, any slot), and a random work list: every
+    group split into 1-5 parts (more parts than keys leaves splits empty), its rows in random
+    order."""
     batch, h_kv = draw(st.integers(1, 3)), draw(st.integers(1, 5))
     h_p = draw(st.integers(1, 3))
     per_kv, head_dim = draw(st.sampled_from([1, 2, 3])), draw(st.sampled_from([8, 16]))
@@ -248,7 +268,14 @@ def ragged_cases(draw, *, max_tokens: int = 40):
     keep_fraction = draw(st.sampled_from([0.0, 0.3, 0.7, 1.0]))
     kept = torch.rand((batch, h_kv, tokens), generator=gen) < keep_fraction
     key_cache, value_cache, slots, lengths = ragged_tables(
-        dense_keys, dense_values, kept, members, block_size, gen
+        dense_keys,
+        dense_values,
+        kept,
+        members,
+        block_size,
+        gen,
+        extra_columns=draw(st.sampled_from([0, 0, 1, 3])),
+        junk=draw(st.booleans()),
     )
     rows = [
         (g, part, parts)

@@ -223,6 +223,25 @@ BAD = {
         SlotOutOfRangeError,
         "slots holds values",
     ),
+    "a -1 slot where a member reads": (
+        lambda c: {
+            "slots": c.slots.index_put(
+                (torch.tensor([0]), torch.tensor([0]), torch.tensor([0])), torch.tensor(-1)
+            )
+        },
+        SlotOutOfRangeError,
+        "slots holds values in \\[-1",
+    ),
+    "a member below -1": (
+        lambda c: {"members": torch.tensor([[2, 0], [1, -2]])},
+        InvalidArgumentError,
+        "members must name each KV head",
+    ),
+    "zero parts": (
+        lambda c: {"work": torch.tensor([[0, 0, 0], [1, 0, 1]])},
+        InvalidArgumentError,
+        "group 0",
+    ),
     "a work list of two columns": (
         lambda c: {"work": c.work[:, :2]},
         InvalidArgumentError,

@@ -202,14 +202,19 @@ def attend_decodes(
 
 def _shared_ragged_plan(layers: list[Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The ragged plan (``PagedLayer.ragged_plan``) every one of ``layers`` runs, if they all
-    run the same one (caches of one profile share their plans' tensors) and none of them wants
+    run the same one (caches of one profile share their plans' tensors, so ``is`` settles it at
+    once; plans made apart are compared by value) and none of them wants
     this step's attention weights (a prompt's last one-token chunk: its policy scores it), else
     None."""
     if any(layer.wants_attention_weights() for layer in layers):
         return None
     plans = [layer.ragged_plan() for layer in layers]
     first = plans[0]
-    if first is None or any(plan is not first for plan in plans[1:]):
+    if first is None or any(
+        plan is None
+        or (plan is not first and not (plan[0].equal(first[0]) and plan[1].equal(first[1])))
+        for plan in plans[1:]
+    ):
         return None
     return first
 
