@@ -2,7 +2,8 @@
 
 Workload: SmolLM2-135M-Instruct on CPU, float32, one torch thread (the prefetcher's worker
 thread runs beside it: give the process two cores, or no fetch can overlap), sdpa attention
-through ``"kvstack_tiers"``, which also scores the pages of every tiered run here
+through ``"kvstack_tiers"`` (multi-segment attention where a run says
+``merge_segments=True``), which also scores the pages of every tiered run here
 (``track_attention=True`` on both sides of each ratio; ``DynamicCache`` gets sdpa alone); a
 benchmark prompt of ``PROMPT_TOKENS`` tokens, then ``DECODE_TOKENS`` greedy decode steps. The KV the
 sequence holds at the end is ``kv_bytes``; the tiered runs give the device tier a quarter of it,
@@ -20,9 +21,16 @@ what the device held at the end (tier bytes plus tails ÷ the KV).
 
 * ``tiers.decode_speed_ratio.device25``: decode tokens/s with a quarter of the KV on device
   (cost-aware demotion) ÷ the same ``TieredCache`` with every page on device (no transfers).
-  Both sides run the same code (every layer gathers its pages each step); what differs is
-  where the pages are read from. Target >= 0.8. ``..._page16`` and ``..._page128``: the same
+  Both sides run the same code (every layer gathers its pages each step, the cache's
+  default); what differs is where the pages are read from. Target >= 0.8. ``..._page16`` and ``..._page128``: the same
   ratio with 16- and 128-token pages (each against all-on-device at its own page size).
+* ``tiers.decode_speed_ratio.segments_over_gathered``: the quarter-on-device run with
+  ``merge_segments=True`` (each layer's device-resident, fetched and recomputed pages attended
+  as separate segments, merged by log-sum-exp: AsymCache's multi-segment attention) ÷ the same
+  run gathering its pages in order for one sdpa call (the default). Same pages, tiers and
+  scores; what differs is the attention: a ``paged_attention`` call per segment (kvstack's
+  compiled kernel, each segment copied into its pool layout) and a merge, against one sdpa call
+  over one concatenation.
 * ``tiers.overlap_fraction``: in that run, the share of fetch time the model's thread did not
   wait for (the prefetcher fetches the next layer's pages on a worker thread). Target >= 0.9.
 * ``tiers.bytes_per_token.{lru,cost,attention}`` and ``tiers.hit_rate.{...}``: bytes read from
@@ -137,8 +145,8 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
     block_size = QUICK_BLOCK_SIZE if quick else BLOCK_SIZE
     sweep = QUICK_SWEEP_BLOCK_SIZES if quick else SWEEP_BLOCK_SIZES
     model, tokenizer = load_smollm2(progress=False)
-    # sdpa's attention, which for a TieredCache also scores the pages (kvstack.tiers.attention);
-    # DynamicCache gets sdpa alone.
+    # sdpa's attention (or, with merge_segments, attention by segments), which for a
+    # TieredCache also scores the pages (kvstack.tiers.attention); DynamicCache gets sdpa alone.
     model.set_attn_implementation(ATTENTION_NAME)
     ids = _prompt(tokenizer, prompt_tokens)
     kv_bytes = kv_bytes_of(model, prompt_tokens + decode_tokens)
@@ -146,7 +154,11 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
     runs = 0
 
     def tiered(
-        share: float | None, policy: str, pages: int = block_size, placement: str = "recency"
+        share: float | None,
+        policy: str,
+        pages: int = block_size,
+        placement: str = "recency",
+        merge_segments: bool = False,
     ) -> TieredCache:
         nonlocal runs
         runs += 1
@@ -169,6 +181,7 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
             placement=placement,
             track_attention=True,  # every tiered run: both sides of a ratio pay for the scores
             block_size=pages,
+            merge_segments=merge_segments,
         )
 
     def prefill(cache: Any) -> dict[str, Any]:
@@ -197,6 +210,7 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         "device25_cost": lambda: tiered(DEVICE_SHARE, "cost"),
         "device25_lru": lambda: tiered(DEVICE_SHARE, "lru"),
         "device25_attention": lambda: tiered(DEVICE_SHARE, "attention", placement="attention"),
+        "device25_cost_segments": lambda: tiered(DEVICE_SHARE, "cost", merge_segments=True),
     }
     for pages in sweep:
         configurations[f"all_device_page{pages}"] = lambda p=pages: tiered(None, "cost", p)
@@ -248,6 +262,13 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
             "ratio",
             f"the same ratio with {pages}-token pages (each side at that page size)",
         )
+    figures["tiers.decode_speed_ratio.segments_over_gathered"] = Figure(
+        speed["device25_cost_segments"] / speed["device25_cost"],
+        "ratio",
+        "decode tokens/s of the quarter-on-device run with merge_segments=True (each layer's "
+        "device, fetched and recomputed pages attended as segments, merged by log-sum-exp) ÷ the "
+        "same run gathering its pages into one K/V for sdpa (the default)",
+    )
     device_run = last["device25_cost"]
     figures["tiers.device_kv_fraction.device25"] = Figure(
         (device_run["bytes_used"]["device"] + device_run["tail_bytes"]) / kv_bytes,
@@ -368,7 +389,11 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         "model": MODEL_NAME,
         "dtype": "float32",
         "device": "cpu",
-        "attention": "sdpa (kvstack_tiers: sdpa, and page scores for every TieredCache)",
+        "attention": (
+            "sdpa (kvstack_tiers: sdpa, and page scores for every TieredCache; "
+            "multi_segment_attention on the kvstack attention's fastest backend for "
+            "merge_segments=True)"
+        ),
         "observation_window": OBSERVATION_WINDOW,
         "prompt_tokens": prompt_tokens,
         "decode_tokens": decode_tokens,

@@ -142,7 +142,10 @@ def test_beam_search_is_refused_with_a_clear_error(tiny_model):
 
 
 @pytest.mark.slow
-def test_smollm2_with_a_quarter_of_the_kv_on_device_makes_dynamic_cache_tokens(tmp_path):
+@pytest.mark.parametrize("merge_segments", [False, True], ids=["gathered", "segments"])
+def test_smollm2_with_a_quarter_of_the_kv_on_device_makes_dynamic_cache_tokens(
+    tmp_path, merge_segments
+):
     from kvstack.models import load_smollm2
     from spec_tests.test_hf_smollm2 import PROMPT, chat_ids
 
@@ -151,6 +154,8 @@ def test_smollm2_with_a_quarter_of_the_kv_on_device_makes_dynamic_cache_tokens(t
     ids = chat_ids(tokenizer, [PROMPT])["input_ids"]
     new = 40
     expected = greedy(model, ids, DynamicCache(config=model.config), new)
+    if merge_segments:  # multi-segment attention runs on the tiers attention
+        model.set_attn_implementation(ATTENTION_NAME)
     tokens = ids.shape[1] + new - 1
     kv_bytes = 30 * 2 * tokens * 3 * 64 * 4  # 30 layers, K and V, 3 KV heads of 64, fp32
     cache = TieredCache(
@@ -160,9 +165,11 @@ def test_smollm2_with_a_quarter_of_the_kv_on_device_makes_dynamic_cache_tokens(t
         disk_path=tmp_path,
         disk_budget="64MiB",
         policy="cost",
+        merge_segments=merge_segments,
     )
     got = greedy(model, ids, cache, new)
     assert torch.equal(got, expected), tokenizer.decode(got[0, ids.shape[1] :])
+    assert cache.attends_by_segments() == merge_segments
     stats = cache.stats()
     assert stats["bytes_used"]["device"] <= kv_bytes // 4
     assert stats["pages_homed"]["disk"] > 0
@@ -559,10 +566,10 @@ def test_scores_are_computed_only_for_a_cache_that_asks_for_them(tiny_model, mon
     from kvstack.tiers import attention as tiers_attention_module
 
     calls = []
-    real = tiers_attention_module.key_attention_mass
+    real = tiers_attention_module.segments_attention_mass  # key_attention_mass calls it too
     monkeypatch.setattr(
         tiers_attention_module,
-        "key_attention_mass",
+        "segments_attention_mass",
         lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs),
     )
     ids = torch.randint(1, 256, (1, 40), generator=torch.Generator().manual_seed(8))

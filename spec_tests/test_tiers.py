@@ -256,6 +256,37 @@ def test_a_prefetched_copy_serves_reads_and_is_dropped_before_any_home(tmp_path)
     store.check()
 
 
+class RankCounter(LRU):
+    """LRU that counts its rankings."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def rank(self, pages, now, demote_to):
+        self.calls += 1
+        return super().rank(pages, now, demote_to)
+
+
+def test_making_room_ranks_homed_pages_only_when_it_demotes_one(tmp_path):
+    size = page_nbytes(kv_page(0))
+    rule = RankCounter()
+    store = TieredStore(device_bytes=2 * size, host_bytes=4 * size, rule=rule)
+    store.put("cold", kv_page(0), tier="host")
+    store.put("hot", kv_page(1))
+    store.copy("cold", "device")
+    store.put("new", kv_page(2))  # dropping the copy makes the room: nothing is ranked
+    assert rule.calls == 0 and store.tiers_of("cold") == ["host"]
+    store.put("newer", kv_page(3))  # now a homed page must go down: one ranking
+    assert rule.calls == 1 and store.pages["hot"].home == "host"
+    alone = TieredStore(device_bytes=size, host_bytes=0, rule=RankCounter())
+    alone.put("a", kv_page(4))
+    with pytest.raises(TierFull, match="device tier"):  # no lower tier: nothing to rank
+        alone.put("b", kv_page(5))
+    assert alone.rule.calls == 0 and alone.tiers_of("a") == ["device"]
+    store.check()
+    alone.check()
+
+
 def test_the_attention_and_cost_rules_rank_as_their_papers_say():
     pages = [
         PageInfo(

@@ -18,18 +18,44 @@ the one query), and hands the layer those masses (``key_attention_mass``). The c
 
 The scores cost one small matmul per layer ([window x heads] queries against the keys), in
 float32, beside the attention itself.
+
+**Multi-segment attention** (AsymCache; ``TieredCache(merge_segments=True)``, on this
+attention): the cache does not concatenate a layer's pages into one K/V. It hands over its
+keys as **segments** by where they came from this step: the device-resident pages with the
+newest tokens, the pages fetched from host and disk, and the pages recomputed from their tokens.
+Each segment is attended on its own (the registered ``multi_segment_attention`` op: one
+``paged_attention`` call per segment, positions giving each key its causal place) and the
+results are merged by log-sum-exp, which equals attention over their union. A step whose
+attention mask is not plain causal (padded rows) gathers the segments back into one K/V and
+runs sdpa, so every step is exact.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from kvstack import ops
+
 ATTENTION_NAME = "kvstack_tiers"
 OBSERVATION_WINDOW = 32  # the prompt's last queries score its pages (SnapKV's default window)
+
+
+@dataclass
+class Segment:
+    """Keys of one layer that came from one place this step (``source``: ``"device"``,
+    ``"fetched"`` or ``"recomputed"``), as a pool the paged attention reads: ``keys`` and
+    ``values`` [B, T_s, H_kv, D] (row b's keys are its T_s slots), ``positions`` [T_s] (int64)
+    the tokens' places in the sequence, the same for every row."""
+
+    source: str
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
 
 
 @dataclass
@@ -38,6 +64,13 @@ class PendingScores:
 
     layer: Any = None  # the kvstack.tiers.cache.TieredLayer that stored this step's K/V
     key: torch.Tensor | None = None  # the keys update returned, to recognise the matching call
+    # Multi-segment attention: the layer's keys by source (update returned only the step's
+    # K/V), and how to gather them into one [B, H_kv, T_k, D] K/V for a step sdpa must run.
+    segments: list[Segment] | None = None
+    gather: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def clear(self) -> None:
+        self.layer = self.key = self.segments = self.gather = None
 
 
 PENDING = PendingScores()
@@ -52,18 +85,68 @@ def key_attention_mass(
     ``query`` [B, H_q, T_q, D] are the step's queries, the newest tokens: query i sits at
     position T_k - T_q + i and sees keys 0 .. that position (causal). ``key`` [B, H_kv, T_k, D]
     holds every token so far; query head h reads KV head h // (H_q / H_kv)."""
+    positions = torch.arange(key.shape[2], device=key.device)
+    return segments_attention_mass(query, [(key, positions)], key.shape[2], scale, window)
+
+
+def segments_attention_mass(
+    query: torch.Tensor,
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    seen: int,
+    scale: float | None,
+    window: int = OBSERVATION_WINDOW,
+) -> torch.Tensor:
+    """``key_attention_mass`` of keys given in parts, in any order: each part is (keys
+    [B, H_kv, T_p, D], their positions [T_p]), and the parts together hold positions
+    0 .. ``seen`` - 1 once each. One softmax over all parts' scores (a permutation of the keys
+    does not change it); returns [B, seen] in position order."""
     batch, q_heads, t_q, head_dim = query.shape
-    kv_heads, t_k = key.shape[1], key.shape[2]
+    kv_heads = parts[0][0].shape[1]
     group = q_heads // kv_heads
     w = min(window, t_q)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     # [B, H_q, w, D] -> [B, H_kv, group * w, D]: the query heads of one KV head are adjacent.
     observed = query[:, :, t_q - w :].float().reshape(batch, kv_heads, group * w, head_dim)
-    scores = observed @ key.float().transpose(-1, -2) * scale  # [B, H_kv, group * w, T_k]
-    query_positions = torch.arange(t_k - w, t_k, device=key.device).repeat(group)  # [group * w]
-    hidden = torch.arange(t_k, device=key.device)[None, :] > query_positions[:, None]
-    scores.masked_fill_(hidden, -math.inf)
-    return scores.softmax(dim=-1).sum(dim=(1, 2)) / (q_heads * w)  # [B, T_k]
+    device = query.device
+    query_positions = torch.arange(seen - w, seen, device=device).repeat(group)  # [group * w]
+    scores, positions = [], []
+    for keys, key_positions in parts:
+        part = observed @ keys.float().transpose(-1, -2) * scale  # [B, H_kv, group * w, T_p]
+        hidden = key_positions[None, :] > query_positions[:, None]  # causal
+        scores.append(part.masked_fill_(hidden, -math.inf))
+        positions.append(key_positions)
+    mass = torch.cat(scores, dim=-1).softmax(dim=-1).sum(dim=(1, 2)) / (q_heads * w)
+    if len(parts) == 1 and torch.equal(positions[0], torch.arange(seen, device=device)):
+        return mass  # [B, seen]: already in position order
+    ordered = torch.empty_like(mass)  # [B, seen]
+    ordered[:, torch.cat(positions)] = mass
+    return ordered
+
+
+def segment_attention(
+    query: torch.Tensor, segments: Sequence[Segment], seen: int, scale: float | None
+) -> torch.Tensor:
+    """Attention of the step's queries ([B, H_q, T_q, D], the newest T_q of ``seen`` tokens)
+    over the segments, each attended on its own and merged by log-sum-exp
+    (``multi_segment_attention``, on the kvstack attention's backend). Returns
+    [B, T_q, H_q, D], transformers' layout of an attention output."""
+    from kvstack.hf import attention as kv_attention
+
+    batch, _, t_q, _ = query.shape
+    device = query.device
+    query_positions = torch.arange(seen - t_q, seen, device=device).expand(batch, t_q)
+    rows = torch.arange(batch, device=device)[:, None]  # [B, 1]
+    op_segments = []
+    for segment in segments:
+        width = segment.keys.shape[1]
+        # The segment's pool holds B blocks of T_s slots: row b's keys are block b.
+        slots = rows * width + torch.arange(width, device=device)  # [B, T_s]
+        op_segments.append(
+            (segment.keys, segment.values, slots, segment.positions.expand(batch, width))
+        )
+    multi_segment = ops.get("multi_segment_attention", kv_attention._BACKEND, device=device)
+    result = multi_segment(query.transpose(1, 2), op_segments, query_positions, scale=scale)
+    return result.out  # [B, T_q, H_q, D]
 
 
 def tiers_attention(
@@ -76,16 +159,31 @@ def tiers_attention(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Attention function with transformers' signature: sdpa's output, and the scores of the
-    keys handed to the ``TieredLayer`` that returned ``key``."""
+    """Attention function with transformers' signature: for a ``TieredLayer`` that handed over
+    segments, attention over them merged by log-sum-exp; otherwise sdpa's output. And the scores
+    of the layer's keys, when its cache uses them."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    layer = PENDING.layer if PENDING.key is key else None
+    segments, gather = PENDING.segments, PENDING.gather
+    if layer is not None:
+        PENDING.clear()  # one update, one attention call
+    if layer is not None and segments is not None and attention_mask is None and not dropout:
+        # A plain causal step: each segment on its own, merged. (transformers passes no mask
+        # when the rows have no padding and the step is causal over everything before it.)
+        seen = layer.get_seq_length()
+        out = segment_attention(query, segments, seen, scaling)
+        if layer.cache.needs_attention:
+            parts = [(s.keys.transpose(1, 2), s.positions) for s in segments]
+            mass = segments_attention_mass(query, parts, seen, scaling)
+            layer.observe_attention(mass, query.shape[2])
+        return out, None
+    if layer is not None and segments is not None:
+        key, value = gather()  # padded rows: sdpa, under the mask, over the gathered K/V
     out, _ = sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
     )
-    layer = PENDING.layer
-    if layer is not None and PENDING.key is key:
-        PENDING.layer, PENDING.key = None, None  # one update, one attention call
+    if layer is not None and layer.cache.needs_attention:
         layer.observe_attention(key_attention_mass(query, key, scaling), query.shape[2])
     return out, None
 
@@ -100,4 +198,12 @@ def register() -> None:
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
-__all__ = ["ATTENTION_NAME", "OBSERVATION_WINDOW", "key_attention_mass", "register"]
+__all__ = [
+    "ATTENTION_NAME",
+    "OBSERVATION_WINDOW",
+    "Segment",
+    "key_attention_mass",
+    "register",
+    "segment_attention",
+    "segments_attention_mass",
+]

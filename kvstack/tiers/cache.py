@@ -17,8 +17,21 @@ layer's attention and MLP run.
 Device memory is the device tier's budget, the layers' tails, and the pages one layer gathers
 for its attention (``peak_layer_page_bytes``; fetched copies are freed after use) plus those
 of the next layer being fetched. If a tier is too full for a step (``TierFull``), the cache
-must be ``reset()``: the layers before the failing one have taken the step. This is the layer-wise streaming of offloading systems; attention over resident and
-fetched segments merged by log-sum-exp, without gathering, is the next step.
+must be ``reset()``: the layers before the failing one have taken the step. This is the
+layer-wise streaming of offloading systems.
+
+**Multi-segment attention** (AsymCache; ``merge_segments=True``, with the model on the
+``"kvstack_tiers"`` attention): a layer does not concatenate its pages into one K/V in logical
+order. It hands the attention its keys by source: the device-resident pages with the tail, the
+fetched pages, the recomputed pages; each segment is attended on its own by the registered
+``multi_segment_attention`` op (positions give each key its causal place) and the results merge
+by log-sum-exp, which equals attention over the union. Each segment is still copied once into
+the paged attention's pool layout (pages are [B, H, block, D] tensors, the pool
+[B, T_s, H, D]): the same bytes as the gather, plus a compiled call per segment and one merge
+where the gather makes one sdpa call. On this project's CPU benchmark that is slower
+(``tiers.decode_speed_ratio.segments_over_gathered``), so it is off by default; a device tier
+kept in one pool, attended in place, is what would make it pay. Other attentions (sdpa, eager)
+always get the gathered K/V.
 
 Placement and the attention-aware rule need the attention scores, which sdpa does not give a
 cache: with the model on the ``"kvstack_tiers"`` attention (``kvstack.tiers.attention``: sdpa's
@@ -82,6 +95,9 @@ DummyLayer = getattr(cache_utils, "DummyLayer", None)
 
 PLACEMENTS = ("recency", "attention")  # where prefill leaves pages: newest on device, or by score
 MANIFEST = "conversation.json"  # a saved conversation's record, on the disk tier
+# The segments of a layer's keys, by where they came from this step, in the order they are
+# attended and merged (``TieredCache(merge_segments=True)``).
+SEGMENT_SOURCES = ("device", "fetched", "recomputed")
 
 
 def _entry_keys(entry: dict[str, Any]) -> list[str]:
@@ -173,8 +189,12 @@ class TieredLayer(CacheLayerMixin):
         pending = tiers_attention.PENDING
         if pending.layer is not None and pending.layer.cache is self.cache:
             # The layer before stored K/V and no "kvstack_tiers" attention call took it: the
-            # model runs another attention, so no scores reach this cache.
-            pending.layer, pending.key = None, None
+            # model runs another attention, so no scores reach this cache, and a layer that
+            # handed over segments returned only its step's K/V to an attention that read them.
+            segments = pending.segments is not None
+            pending.clear()
+            if segments:
+                raise KVStackError(self.cache.segments_need_attention())
             if self.cache.needs_attention:
                 raise KVStackError(self.cache.attention_needed())
         if not self.is_initialized:
@@ -207,14 +227,60 @@ class TieredLayer(CacheLayerMixin):
         # The tail is copied out so it does not keep this step's whole K/V alive.
         self.tail_keys = keys[..., full * block :, :].clone()
         self.tail_values = values[..., full * block :, :].clone()
-        pages = self.cache.read_layer_pages(self)
+        sourced = self.cache.read_layer_pages(self)  # [(page, where it came from)], in order
+        pages = [page for page, _ in sourced]
         self.cache.note_layer_pages(pages)
         self.cache.prefetch_after(self.layer_idx)
-        all_keys = torch.cat([p["k"] for p in pages] + [self.tail_keys], dim=-2)  # [B, H, seen, D]
-        all_values = torch.cat([p["v"] for p in pages] + [self.tail_values], dim=-2)
+        if self.cache.attends_by_segments():
+            # The attention call that follows reads the segments; it gets the step's K/V only.
+            pending.layer, pending.key = self, key_states
+            pending.segments = self.segments(sourced)
+            pending.gather = functools.partial(self.gather, pages)
+            return key_states, value_states
+        all_keys, all_values = self.gather(pages)
         if self.cache.needs_attention:  # scores are computed only for a cache that uses them
             pending.layer, pending.key = self, all_keys  # for the attention call that follows
         return all_keys, all_values
+
+    def gather(self, pages: list[Page]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every key and value of the layer in order, ``pages`` then the tail: [B, H, seen, D]
+        each (a copy)."""
+        keys = torch.cat([p["k"] for p in pages] + [self.tail_keys], dim=-2)
+        values = torch.cat([p["v"] for p in pages] + [self.tail_values], dim=-2)
+        return keys, values
+
+    def segments(self, sourced: list[tuple[Page, str]]) -> list[tiers_attention.Segment]:
+        """The layer's keys as segments by source (``read_layer_pages``' order of sources:
+        device, fetched, recomputed; the tail with the device pages), each a pool of one block
+        of its keys per row, [B, T_s, H, D]: the layout the paged attention reads."""
+        block, device = self.cache.block_size, self.device
+        by_source: dict[str, list[int]] = {}
+        for index, (_, source) in enumerate(sourced):
+            by_source.setdefault(source, []).append(index)
+        by_source.setdefault("device", [])
+        segments = []
+        for source in SEGMENT_SOURCES:
+            if source not in by_source:
+                continue
+            indices = by_source[source]
+            keys = [sourced[i][0]["k"] for i in indices]  # each [B, H, block, D]
+            values = [sourced[i][0]["v"] for i in indices]
+            positions = [torch.arange(i * block, (i + 1) * block) for i in indices]
+            if source == "device":  # the newest tokens, after every page
+                keys.append(self.tail_keys)
+                values.append(self.tail_values)
+                first = len(sourced) * block
+                positions.append(torch.arange(first, first + self.tail_keys.shape[-2]))
+            segments.append(
+                tiers_attention.Segment(
+                    source,
+                    # [B, H, T, D] pieces -> [B, T_s, H, D]: one copy, in the pool's layout.
+                    torch.cat([k.transpose(1, 2) for k in keys], dim=1),
+                    torch.cat([v.transpose(1, 2) for v in values], dim=1),
+                    torch.cat(positions).to(device),
+                )
+            )
+        return segments
 
     def observe_attention(self, mass: torch.Tensor, query_length: int) -> None:
         """Take the attention scores of this step's keys ([B, seen] float32, each row summing to
@@ -261,7 +327,11 @@ class TieredCache(Cache):
     ``placement`` is ``"recency"`` or ``"attention"``; ``track_attention`` scores decode steps
     for ``stats()["device_attention_share"]`` (see the module docstring). ``recompute_with``:
     the model, for lossless recompute (when every tier is full, pages are dropped and computed
-    again when read, instead of ``TierFull``).
+    again when read, instead of ``TierFull``). ``merge_segments`` (on the ``"kvstack_tiers"``
+    attention): each step attends the device-resident, fetched and recomputed pages as separate
+    segments merged by log-sum-exp (AsymCache's multi-segment attention); False, the default,
+    gathers them into one K/V for sdpa (faster on CPU today: see the module docstring). Other
+    attentions always get the gathered K/V.
     """
 
     def __init__(
@@ -279,6 +349,7 @@ class TieredCache(Cache):
         device: str | torch.device = "cpu",
         prefetch_workers: int = 1,
         recompute_with: torch.nn.Module | None = None,
+        merge_segments: bool = False,
         _resuming: bool = False,
     ) -> None:
         default_layers = DynamicCache(config=config).layers  # checked before anything is built
@@ -317,6 +388,9 @@ class TieredCache(Cache):
             raise InvalidArgumentError(f"placement={placement!r}; expected one of {PLACEMENTS}")
         self.placement = placement
         self._rule_name = type(policy).__name__
+        if not isinstance(merge_segments, bool):
+            raise InvalidArgumentError(f"merge_segments={merge_segments!r}; expected a bool")
+        self.merge_segments = merge_segments
         if not isinstance(track_attention, bool):
             raise InvalidArgumentError(f"track_attention={track_attention!r}; expected a bool")
         self.track_attention = track_attention
@@ -325,6 +399,7 @@ class TieredCache(Cache):
             placement == "attention" or getattr(policy, "uses_attention", False) or track_attention
         )
         text_config = config.get_text_config(decoder=True)
+        self._text_config = text_config  # its attention implementation can change later
         if self.needs_attention and (
             getattr(text_config, "_attn_implementation", None) != tiers_attention.ATTENTION_NAME
         ):
@@ -427,6 +502,24 @@ class TieredCache(Cache):
             "kvstack.tiers, and build the cache from that model's config"
         )
 
+    def attends_by_segments(self) -> bool:
+        """Whether a layer hands its keys to the attention as segments (merged by log-sum-exp)
+        rather than gathered into one K/V: with ``merge_segments``, on the ``"kvstack_tiers"``
+        attention (the only one that reads segments)."""
+        return self.merge_segments and (
+            getattr(self._text_config, "_attn_implementation", None)
+            == tiers_attention.ATTENTION_NAME
+        )
+
+    def segments_need_attention(self) -> str:
+        """Why a step whose layer handed over segments went wrong, and what to do."""
+        return (
+            "a TieredCache layer handed its keys to the attention as segments, but no "
+            f"{tiers_attention.ATTENTION_NAME!r} attention call read them (the cache's config "
+            "says the model runs it; is the cache built from another config object than the "
+            "model's?); build the cache from model.config, or use merge_segments=False"
+        )
+
     def observe_page_attention(
         self, layer: TieredLayer, shares: list[float], prefill: bool
     ) -> None:
@@ -458,10 +551,11 @@ class TieredCache(Cache):
         dropped = self.store.dropped_among(following.page_keys) if self.store.may_drop else set()
         self.prefetcher.prefetch([key for key in following.page_keys if key not in dropped])
 
-    def read_layer_pages(self, layer: TieredLayer) -> list[Page]:
-        """Every page of ``layer``, in order, on the device: from the device tier, fetched
-        (a page with room above moves up: after a resume, or pages deleted), or recomputed
-        (dropped from every tier, or, with ``recompute_with``, damaged)."""
+    def read_layer_pages(self, layer: TieredLayer) -> list[tuple[Page, str]]:
+        """Every page of ``layer``, in order, on the device, with where it came from:
+        ``"device"`` (the device tier), ``"fetched"`` (from host or disk; a page with room above
+        moves up: after a resume, or pages deleted) or ``"recomputed"`` (dropped from every
+        tier, or, with ``recompute_with``, damaged)."""
         keys = layer.page_keys
         dropped = self.store.dropped_among(keys) if self.store.may_drop else set()
         self.prefetcher.forget(dropped)
@@ -477,7 +571,12 @@ class TieredCache(Cache):
                 self.store.promote(key, page)
         if dropped - self._recomputed.keys():
             self._recompute(layer)
-        return [taken[key][0] if key in taken else self._recomputed.pop(key) for key in keys]
+        return [
+            (taken[key][0], "device" if taken[key][1] == "device" else "fetched")
+            if key in taken
+            else (self._recomputed.pop(key), "recomputed")
+            for key in keys
+        ]
 
     def _take_dropping_damaged(
         self, keys: list[str], dropped: set[str]

@@ -362,16 +362,19 @@ class TieredStore:
             if self.bytes_free(tier) >= nbytes:
                 return
             self.drop_copy(key, tier)
+        if self.bytes_free(tier) >= nbytes:  # the copies were enough: rank nothing
+            return
         # Demote to the next tier that is on (a host tier of 0 bytes sends pages to disk).
         lower = next((t for t in TIERS[TIERS.index(tier) + 1 :] if self.capacity[t] > 0), None)
         if lower is None and self.may_drop:
             self._drop_for_room(tier, nbytes, protect)
             return
-        homed = [p for p in self.pages.values() if p.home == tier and p.key != protect]
-        for victim in self.rule.rank(homed, self.clock, lower):
-            if self.bytes_free(tier) >= nbytes or lower is None:  # None: nowhere to go
-                break
-            self.move(victim.key, lower)
+        if lower is not None:  # None: nowhere to demote to, so nothing to rank
+            homed = [p for p in self.pages.values() if p.home == tier and p.key != protect]
+            for victim in self.rule.rank(homed, self.clock, lower):
+                if self.bytes_free(tier) >= nbytes:
+                    break
+                self.move(victim.key, lower)
         if self.bytes_free(tier) < nbytes:
             raise TierFull(
                 f"{tier} tier: {nbytes} bytes needed, {self.bytes_free(tier)} of "

@@ -1,0 +1,268 @@
+"""Multi-segment attention in TieredCache (AsymCache): a layer's keys are attended by where they
+came from this step (device-resident with the newest tokens, fetched from host and disk,
+recomputed from their tokens), each segment on its own, merged by log-sum-exp. It must equal
+attention over their union: the adapter against sdpa on random splits with holes, then the
+cache under generate against DynamicCache and against its own gathered path."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import DynamicCache, LlamaForCausalLM
+
+from kvstack.errors import InvalidArgumentError, KVStackError
+from kvstack.tiers import ATTENTION_NAME, TieredCache
+from kvstack.tiers import attention as tiers_attention
+from spec_tests.tiny import tiny_llama_config
+
+PAGE = 2 * 16 * 2 * 16 * 4  # K and V of 16 tokens, 2 KV heads of 16 dims, fp32 (tiny model)
+
+
+def greedy(model, ids, cache, new_tokens, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return model.generate(
+            ids,
+            past_key_values=cache,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            min_new_tokens=new_tokens,
+            **kwargs,
+        )
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config(num_hidden_layers=3)).eval()
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@contextlib.contextmanager
+def on_tiers_attention(model):
+    model.set_attn_implementation(ATTENTION_NAME)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+@contextlib.contextmanager
+def spy_on_segments(monkeypatch):
+    """Record the sources of every segment_attention call (one per layer and step)."""
+    calls: list[tuple[str, ...]] = []
+    real = tiers_attention.segment_attention
+
+    def spy(query, segments, seen, scale):
+        calls.append(tuple(s.source for s in segments))
+        return real(query, segments, seen, scale)
+
+    monkeypatch.setattr(tiers_attention, "segment_attention", spy)
+    yield calls
+
+
+def prompt(length: int, seed: int, rows: int = 1) -> torch.Tensor:
+    return torch.randint(1, 256, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+# --------------------------------------------------------------------------- the adapter
+@settings(deadline=None, max_examples=30)
+@given(
+    batch=st.integers(1, 2),
+    kv_heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 3]),
+    seen=st.integers(1, 40),
+    t_q=st.integers(1, 6),
+    parts=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_segment_attention_equals_causal_attention_over_the_union(
+    batch, kv_heads, group, seen, t_q, parts, seed, dtype
+):
+    """Keys split into up to four segments by a random assignment of positions (so a segment's
+    positions have holes, and segments may come in any order; an empty one is left out, as the
+    cache does), against sdpa over all keys in order with the causal mask of the step's
+    newest ``t_q`` queries."""
+    t_q = min(t_q, seen)
+    generator = torch.Generator().manual_seed(seed)
+    heads, dim = kv_heads * group, 8
+    query = torch.randn(batch, heads, t_q, dim, generator=generator).to(dtype)
+    keys = torch.randn(batch, kv_heads, seen, dim, generator=generator).to(dtype)
+    values = torch.randn(batch, kv_heads, seen, dim, generator=generator).to(dtype)
+    owner = torch.randint(0, parts, (seen,), generator=generator)
+    order = torch.randperm(parts, generator=generator).tolist()
+    segments = []
+    for part in order:
+        positions = (owner == part).nonzero()[:, 0]
+        positions = positions[torch.randperm(len(positions), generator=generator)]  # any order
+        if len(positions):
+            segments.append(
+                tiers_attention.Segment(
+                    f"part{part}",
+                    keys[:, :, positions].transpose(1, 2).contiguous(),  # [B, T_s, H, D]
+                    values[:, :, positions].transpose(1, 2).contiguous(),
+                    positions,
+                )
+            )
+    got = tiers_attention.segment_attention(query, segments, seen, 0.4)  # [B, T_q, H, D]
+    causal = torch.arange(seen)[None, :] <= torch.arange(seen - t_q, seen)[:, None]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query.float(),
+        keys.float().repeat_interleave(group, dim=1),
+        values.float().repeat_interleave(group, dim=1),
+        attn_mask=causal,
+        scale=0.4,
+    ).transpose(1, 2)
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert got.dtype == dtype and got.shape == (batch, t_q, heads, dim)
+    torch.testing.assert_close(got.float(), expected, atol=atol, rtol=atol)
+
+
+@settings(deadline=None, max_examples=20)
+@given(
+    seen=st.integers(1, 50),
+    t_q=st.integers(1, 40),
+    parts=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+)
+def test_scores_of_keys_in_segments_equal_the_scores_of_the_keys_in_order(seen, t_q, parts, seed):
+    t_q = min(t_q, seen)
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(2, 6, t_q, 8, generator=generator)
+    key = torch.randn(2, 3, seen, 8, generator=generator)
+    owner = torch.randint(0, parts, (seen,), generator=generator)
+    pieces = []
+    for part in torch.randperm(parts, generator=generator).tolist():
+        positions = (owner == part).nonzero()[:, 0]
+        if len(positions):
+            pieces.append((key[:, :, positions], positions))
+    expected = tiers_attention.key_attention_mass(query, key, 0.3)
+    got = tiers_attention.segments_attention_mass(query, pieces, seen, 0.3)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(got.sum(-1), torch.ones(2))
+
+
+# --------------------------------------------------------------------------- in the cache
+@pytest.mark.parametrize("policy", ["lru", "cost", "attention"])
+def test_segments_from_every_tier_make_dynamic_cache_tokens_and_the_gathered_scores(
+    tiny_model, tmp_path, policy, monkeypatch
+):
+    """Pages on device, host and disk: every layer of every step attends its segments
+    (device-resident and fetched ones among them), the tokens are DynamicCache's and every
+    step's logits are the gathered path's (sdpa over the pages in order) to float rounding."""
+    ids = prompt(90, seed=1)
+    expected = greedy(tiny_model, ids, DynamicCache(config=tiny_model.config), 20)
+    logits = {}
+    with on_tiers_attention(tiny_model), spy_on_segments(monkeypatch) as calls:
+        for merge in (True, False):
+            cache = TieredCache(
+                tiny_model.config,
+                device_budget=3 * PAGE,
+                host_budget=3 * PAGE,
+                disk_path=tmp_path / str(merge),
+                disk_budget="1MiB",
+                policy=policy,
+                placement="attention" if policy == "attention" else "recency",
+                merge_segments=merge,
+            )
+            out = greedy(
+                tiny_model, ids, cache, 20, output_logits=True, return_dict_in_generate=True
+            )
+            assert torch.equal(out.sequences, expected)
+            logits[merge] = torch.stack(out.logits)
+            assert cache.stats()["hits"]["disk"] > 0
+            cache.store.check()
+            cache.close()
+            if merge:
+                assert len(calls) == 3 * 20  # every layer: the prefill and 19 decode steps
+                assert {"device", "fetched"} <= {source for call in calls for source in call}
+                assert all(call[0] == "device" for call in calls)  # the tail is always there
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-4, rtol=1e-4)
+
+
+def test_recomputed_pages_are_a_segment_of_their_own(tiny_model, monkeypatch):
+    """The tiers hold a third of the KV and drop the rest (lossless recompute): the recomputed
+    pages are attended as their own segment and the tokens are DynamicCache's."""
+    ids = prompt(60, seed=2)
+    expected = greedy(tiny_model, ids, DynamicCache(config=tiny_model.config), 12)
+    with on_tiers_attention(tiny_model), spy_on_segments(monkeypatch) as calls:
+        cache = TieredCache(
+            tiny_model.config,
+            device_budget=PAGE,
+            host_budget=2 * PAGE,
+            policy="cost",
+            recompute_with=tiny_model,
+            merge_segments=True,
+        )
+        got = greedy(tiny_model, ids, cache, 12)
+    assert torch.equal(got, expected)
+    assert cache.stats()["recomputes"] > 0
+    assert any("recomputed" in call for call in calls)
+    cache.close()
+
+
+def test_padded_rows_fall_back_to_the_gathered_keys_and_stay_exact(tiny_model, monkeypatch):
+    """A left-padded batch has an attention mask the segments cannot express: those steps
+    gather the pages and run sdpa under the mask; the tokens are DynamicCache's."""
+    ids = prompt(40, seed=3, rows=2)
+    mask = torch.ones_like(ids)
+    ids[1, :7], mask[1, :7] = 0, 0  # row 1 is left-padded by 7
+    expected = greedy(
+        tiny_model, ids, DynamicCache(config=tiny_model.config), 6, attention_mask=mask
+    )
+    with on_tiers_attention(tiny_model), spy_on_segments(monkeypatch) as calls:
+        cache = TieredCache(
+            tiny_model.config, device_budget=4 * PAGE, host_budget="1MiB", merge_segments=True
+        )
+        got = greedy(tiny_model, ids, cache, 6, attention_mask=mask)
+        # Its layers handed over segments (returning only each step's K/V), so the exact
+        # tokens say the attention gathered them back.
+        assert cache.attends_by_segments()
+    assert torch.equal(got, expected)
+    assert calls == []  # every step had padding: none attended by segments
+    assert cache.stats()["pages_homed"]["host"] > 0
+    cache.close()
+
+
+def test_a_cache_whose_config_is_not_the_models_says_so(tiny_model):
+    """Built from a copy of the config that names the tiers attention while the model runs
+    sdpa: the layer hands over segments nobody reads, and the next layer refuses the step."""
+    config = copy.deepcopy(tiny_model.config)
+    config._attn_implementation = ATTENTION_NAME
+    cache = TieredCache(config, device_budget="1MiB", host_budget=0, merge_segments=True)
+    with pytest.raises(KVStackError, match="no 'kvstack_tiers' attention call read them"):
+        greedy(tiny_model, prompt(20, seed=4), cache, 2)
+    tiers_attention.PENDING.clear()
+
+
+def test_merge_segments_off_the_default_or_another_attention_gathers(tiny_model, monkeypatch):
+    ids = prompt(30, seed=5)
+    expected = greedy(tiny_model, ids, DynamicCache(config=tiny_model.config), 4)
+    with spy_on_segments(monkeypatch) as calls:
+        sdpa = TieredCache(
+            tiny_model.config, device_budget=2 * PAGE, host_budget="1MiB", merge_segments=True
+        )
+        assert torch.equal(greedy(tiny_model, ids, sdpa, 4), expected)  # the model runs sdpa
+        with on_tiers_attention(tiny_model):
+            off = TieredCache(tiny_model.config, device_budget=2 * PAGE, host_budget="1MiB")
+            assert not off.merge_segments  # the default
+            assert torch.equal(greedy(tiny_model, ids, off, 4), expected)
+    assert calls == []
+    with pytest.raises(InvalidArgumentError, match="merge_segments=1; expected a bool"):
+        TieredCache(tiny_model.config, device_budget="1MiB", host_budget=0, merge_segments=1)
+
+
+def test_a_segment_without_keys_never_reaches_the_op():
+    """The cache leaves out a source with no pages; the device segment always holds the step's
+    tokens. An empty list is the op's error, named."""
+    query = torch.randn(1, 2, 1, 8)
+    with pytest.raises(InvalidArgumentError, match="segments must name at least one segment"):
+        tiers_attention.segment_attention(query, [], 1, None)
