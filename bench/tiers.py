@@ -76,12 +76,14 @@ from typing import Any
 
 import torch
 
-from kvstack.bench.suite import Figure, Measured, figure_table, format_value, run_suite
+from kvstack.bench.suite import OPS_CODE, Figure, Measured, figure_table, format_value, run_suite
 from kvstack.bench.timing import time_interleaved
 from kvstack.tiers.attention import OBSERVATION_WINDOW
 
 NAME = "tiers"
 DEPENDS_ON = (
+    *OPS_CODE,  # multi_segment_attention, for the merge_segments run
+    "kvstack/hf/attention.py",  # the backend the tiers attention asks the registry for
     "kvstack/tiers",
     "kvstack/models.py",
     "kvstack/arena.py",  # parse_bytes

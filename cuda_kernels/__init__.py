@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -36,7 +37,12 @@ def load() -> dict[str, Callable]:
 
 # Operation name -> C++ source in this folder for CPU tensors, built with the host compiler
 # (the ``cpp`` backend): what torch's indexed copies cannot do in one pass.
-CPU_SOURCES: dict[str, str] = {"copy_slots": "copy_slots_cpu.cpp"}
+CPU_SOURCES: dict[str, str] = {
+    "copy_slots": "copy_slots_cpu.cpp",
+    "paged_attention": "paged_decode_cpu.cpp",  # decode steps; prefill through compiled
+    "decode_attention": "paged_decode_cpu.cpp",
+    "multi_segment_attention": "paged_decode_cpu.cpp",  # a decode kernel call per segment
+}
 _CPU_LIBRARY = "kvstack_cpu"
 
 
@@ -56,7 +62,16 @@ def load_cpu() -> dict[str, Callable]:
         cpp_extension.load(
             name=_CPU_LIBRARY,
             sources=sources,
-            extra_cflags=["-O3"],
+            # The build is per machine (cached where torch keeps extensions), so it may use
+            # the machine's vector units; reassociation lets the dot products and sums
+            # vectorize (the results stay within the float tolerance of the reference), while
+            # infinities and NaN keep their meaning (no finite-math assumption).
+            extra_cflags=[
+                "-O3",
+                "-march=native",
+                "-ffast-math",
+                "-fno-finite-math-only",
+            ],
             is_python_module=False,
             verbose=False,
         )
@@ -68,8 +83,145 @@ def load_cpu() -> dict[str, Callable]:
     def _(key_cache, value_cache, src_slots, dst_slots) -> None:  # in place: no outputs
         return None
 
+    @torch.library.register_fake(f"{_CPU_LIBRARY}::paged_decode")
+    def _(query, key_cache, value_cache, slots, key_positions, query_positions, first, scale):
+        batch, _, heads, head_dim = query.shape
+        out = query.new_empty((batch, 1, heads, head_dim))  # [B, 1, H_q, D], the query's dtype
+        return out, query.new_empty((batch, 1, heads), dtype=torch.float32)
+
     def copy_slots(key_cache, value_cache, src_slots, dst_slots) -> None:
         """Implements ``kvstack.reference.repack.copy_slots`` (in place, CPU tensors)."""
         library.copy_slots(key_cache, value_cache, src_slots, dst_slots)
 
-    return {"copy_slots": copy_slots}
+    paged_attention, decode_attention = _cpu_decode_attention(library)
+    return {
+        "copy_slots": copy_slots,
+        "paged_attention": paged_attention,
+        "decode_attention": decode_attention,
+        "multi_segment_attention": _cpu_multi_segment_attention(paged_attention),
+    }
+
+
+def _cpu_multi_segment_attention(paged_attention: Callable) -> Callable:
+    from kvstack.reference.merge import merge_attention_states
+    from kvstack.reference.merge import multi_segment_attention as reference_multi_segment
+
+    def multi_segment_attention(query, segments, query_positions, *, scale=None):
+        """Implements ``kvstack.reference.merge.multi_segment_attention``: each segment through
+        this backend's ``paged_attention`` (a decode step in the C++ kernel), the few states
+        merged by the reference's log-sum-exp fold (a handful of small tensor ops, cheaper
+        than a compiled call for two or three segments)."""
+        return reference_multi_segment(
+            query,
+            segments,
+            query_positions,
+            scale=scale,
+            attention=paged_attention,
+            merge=merge_attention_states,
+        )
+
+    return multi_segment_attention
+
+
+def _cpu_decode_attention(library: Any) -> tuple[Callable, Callable]:
+    """``paged_attention`` and ``decode_attention`` for CPU tensors: decode steps without
+    weights in the C++ kernel (``paged_decode_cpu.cpp``), everything else (prefill chunks,
+    weights, tensors elsewhere, pools whose slots are not one row) through the compiled
+    kernels."""
+    import math
+
+    from kvstack.compiled.attention import decode_attention as compiled_decode_attention
+    from kvstack.compiled.attention import paged_attention as compiled_paged_attention
+    from kvstack.reference.attention import (
+        AttentionOutput,
+        check_attention_args,
+        check_decode_args,
+    )
+
+    empty = torch.empty(0, dtype=torch.long)  # no window; for decode_attention, no positions
+
+    def runs_here(query, key_cache, value_cache, return_weights) -> bool:
+        return (
+            query.shape[1] == 1
+            and not return_weights
+            and query.device.type == "cpu"
+            and _plain_pool(key_cache, value_cache)
+        )
+
+    def paged_attention(
+        query,
+        key_cache,
+        value_cache,
+        slots,
+        key_positions,
+        query_positions,
+        *,
+        scale=None,
+        window=None,
+        return_weights=False,
+        check=True,
+    ):
+        """Implements ``kvstack.reference.attention.paged_attention``: a decode step in the C++
+        kernel, anything else through the compiled kernels."""
+        if not runs_here(query, key_cache, value_cache, return_weights):
+            return compiled_paged_attention(
+                query,
+                key_cache,
+                value_cache,
+                slots,
+                key_positions,
+                query_positions,
+                scale=scale,
+                window=window,
+                return_weights=return_weights,
+                check=check,
+            )
+        if check:
+            check_attention_args(
+                query, key_cache, value_cache, slots, key_positions, query_positions, window
+            )
+        scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+        first = empty if window is None else query_positions - window + 1  # [B, 1]
+        out, lse = library.paged_decode(
+            query, key_cache, value_cache, slots, key_positions, query_positions, first, scale
+        )
+        return AttentionOutput(out, lse, None)
+
+    def decode_attention(
+        query, key_cache, value_cache, slots, *, scale=None, return_weights=False, check=True
+    ):
+        """Implements ``kvstack.reference.attention.decode_attention``: in the C++ kernel
+        without positions (every slot of a live view is visible), or through the compiled
+        kernels when weights are asked."""
+        if not runs_here(query, key_cache, value_cache, return_weights):
+            return compiled_decode_attention(
+                query,
+                key_cache,
+                value_cache,
+                slots,
+                scale=scale,
+                return_weights=return_weights,
+                check=check,
+            )
+        if check:
+            check_decode_args(query, key_cache, value_cache, slots)
+        scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+        out, lse = library.paged_decode(
+            query, key_cache, value_cache, slots, empty, empty, empty, scale
+        )
+        return AttentionOutput(out, lse, None)
+
+    # The kernel's cost follows each row's visible keys, not its padded width: a caller that
+    # would cut rows into pieces to spare padded work (the engine's decode) needs not.
+    paged_attention.skips_padding = True
+    decode_attention.skips_padding = True
+    return paged_attention, decode_attention
+
+
+def _plain_pool(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Whether the C++ decode kernel reads these pools: each slot's [H_kv, D] values one
+    contiguous row (blocks and rows may be strided: an arena's interleaved K/V views qualify)."""
+    return all(
+        cache.dim() == 4 and cache.stride(3) == 1 and cache.stride(2) == cache.shape[3]
+        for cache in (key_cache, value_cache)
+    )

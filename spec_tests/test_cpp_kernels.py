@@ -3,21 +3,25 @@
 Its equivalence with the reference runs with every backend's in test_equivalence.py and in the
 repack property and state-machine tests; here: that it builds wherever a compiler exists (so a
 broken build cannot hide behind skipped tests), the registry's device rule, the layouts an arena
-gives it, and bad input.
+gives it, and bad input, for ``copy_slots`` and for the decode attention (``paged_attention``
+with one query token: the C++ kernel; anything else goes to the compiled kernels).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 
 import hypothesis.strategies as st
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 
 from kvstack import ops
+from kvstack.reference.attention import paged_attention as reference_paged_attention
 from kvstack.reference.repack import copy_slots as reference_copy_slots
+from spec_tests.strategies import TOLERANCES, AttentionCase, attention_cases
 
 COPY = ops.operations()["copy_slots"]
 
@@ -120,4 +124,103 @@ def test_cpp_copy_slots_refuses_mismatched_pools():
     with pytest.raises(RuntimeError, match="must match"):
         COPY.implementations["cpp"](
             torch.randn(3, 4, 2, 8), torch.randn(3, 4, 2, 4), torch.tensor([0]), torch.tensor([1])
+        )
+
+
+# --------------------------------------------------------------------------- decode attention
+PAGED = ops.operations()["paged_attention"]
+
+
+def cpp_paged():
+    if "cpp" not in PAGED.implementations:
+        pytest.skip(PAGED.unavailable["cpp"])
+    return PAGED.implementations["cpp"]
+
+
+def decode_case(case: AttentionCase, layout: str) -> AttentionCase:
+    """The case's last query of each sequence (a decode step), its pools laid out as an arena
+    may give them: plain, or K and V interleaved per block or per row."""
+    key_cache, value_cache = case.key_cache, case.value_cache
+    if layout != "plain":
+        axis = {"block": 1, "row": 2}[layout]
+        buffer = torch.stack([key_cache, value_cache], dim=axis).contiguous()
+        key_cache, value_cache = buffer.select(axis, 0), buffer.select(axis, 1)
+    return AttentionCase(
+        case.query[:, -1:],
+        key_cache,
+        value_cache,
+        case.slots,
+        case.key_positions,
+        case.query_positions[:, -1:],
+        case.window,
+    )
+
+
+@settings(deadline=None, max_examples=80)
+@given(
+    drawn=attention_cases(windows=True),
+    layout=st.sampled_from(["plain", "block", "row"]),
+    check=st.booleans(),
+)
+def test_cpp_decode_attention_matches_the_reference_on_arena_layouts(drawn, layout, check):
+    """The C++ decode kernel (one query token, no weights) against the reference: GQA, windows,
+    padding slots, positions with gaps, sequences that see nothing, bf16/fp16/fp32, and pools
+    whose blocks or rows are strided (an arena's interleaved K/V)."""
+    attention = cpp_paged()
+    case = decode_case(drawn, layout)
+    expected = reference_paged_attention(*case.args(), **case.kwargs())
+    got = attention(*case.args(), **case.kwargs(), check=check)
+    atol, rtol = TOLERANCES[case.query.dtype]
+    assert got.out.dtype == case.query.dtype and got.weights is None
+    torch.testing.assert_close(got.out.float(), expected.out.float(), atol=atol, rtol=rtol)
+    assert torch.equal(got.lse == -math.inf, expected.lse == -math.inf)
+    finite = expected.lse > -math.inf
+    torch.testing.assert_close(got.lse[finite], expected.lse[finite], atol=1e-4, rtol=1e-5)
+
+
+def test_cpp_decode_attention_is_the_kernel_for_decode_steps_only(monkeypatch):
+    """Decode steps without weights run the C++ kernel; prefill chunks and weights go to the
+    compiled kernels (a spy on the library call tells them apart)."""
+    attention = cpp_paged()
+    calls = []
+    library = torch.ops.kvstack_cpu
+    real = library.paged_decode
+    monkeypatch.setattr(
+        library, "paged_decode", lambda *args: calls.append(1) or real(*args), raising=False
+    )
+    key_cache = torch.randn(4, 8, 2, 16)
+    value_cache = torch.randn(4, 8, 2, 16)
+    slots = torch.arange(20).view(2, 10)
+    positions = torch.arange(10).expand(2, 10)
+    attention(torch.randn(2, 1, 4, 16), key_cache, value_cache, slots, positions, positions[:, -1:])
+    assert calls == [1]
+    attention(torch.randn(2, 3, 4, 16), key_cache, value_cache, slots, positions, positions[:, -3:])
+    attention(
+        torch.randn(2, 1, 4, 16),
+        key_cache,
+        value_cache,
+        slots,
+        positions,
+        positions[:, -1:],
+        return_weights=True,
+    )
+    assert calls == [1]
+
+
+def test_cpp_decode_attention_refuses_a_slot_outside_the_pool_even_unchecked():
+    """``check=False`` skips the argument checks, but a slot past the pool is still refused by
+    the kernel, never read."""
+    attention = cpp_paged()
+    key_cache = torch.randn(2, 4, 1, 8)
+    slots = torch.tensor([[0, 1, 8]])  # the pool has 8 slots
+    positions = torch.tensor([[0, 1, 2]])
+    with pytest.raises(RuntimeError, match=r"slots must be -1 or in \[0, 8\)"):
+        attention(
+            torch.randn(1, 1, 1, 8),
+            key_cache,
+            key_cache.clone(),
+            slots,
+            positions,
+            positions[:, -1:],
+            check=False,
         )

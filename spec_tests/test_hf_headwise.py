@@ -151,6 +151,29 @@ def test_decode_steps_run_the_ragged_attention_from_the_ahead_of_time_work_list(
     torch.testing.assert_close(results[1][1], results[7][1], rtol=1e-4, atol=1e-4)
 
 
+def test_caches_of_one_profile_share_its_plans_until_the_profile_goes(tiny_model):
+    """Plans are made once per profile object and shared (the engine batches the head-wise
+    requests whose layers return the same plan); they go with the profile."""
+    import gc
+
+    from kvstack.hf import headwise
+
+    config = tiny_model.config
+    profile = profile_for(config, [[0.5, 0.25]] * config.num_hidden_layers)
+    first, second = HeadwiseCache(config, profile), HeadwiseCache(config, profile)
+    cpu = torch.device("cpu")
+    assert first.ragged_plan(0, cpu) is second.ragged_plan(0, cpu)
+    again = profile_for(config, [[0.5, 0.25]] * config.num_hidden_layers)  # equal, not the same
+    other = HeadwiseCache(config, again).ragged_plan(0, cpu)
+    assert other is not first.ragged_plan(0, cpu)
+    assert all(torch.equal(a, b) for a, b in zip(other, first.ragged_plan(0, cpu), strict=True))
+    key = id(profile)
+    assert key in headwise._PLANS
+    del first, second, profile
+    gc.collect()
+    assert key not in headwise._PLANS
+
+
 def test_workers_that_are_not_a_positive_int_are_refused(tiny_model):
     for workers in (0, -1, 2.0, True):
         with pytest.raises(InvalidArgumentError, match="workers must be an int >= 1"):

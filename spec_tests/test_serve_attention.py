@@ -126,4 +126,12 @@ def test_merging_pieces_follows_the_merge_rule_and_leaves_empty_rows_zero():
 )
 def test_rows_are_split_only_when_that_saves_a_quarter_of_the_keys(widths, split):
     slot_rows = [torch.zeros(len(layer), max(layer), dtype=torch.int64) for layer in widths]
-    assert serve_attention._pieces_save(slot_rows, 128) is split
+    padded_kernel = ops.get("paged_attention", "compiled")
+    assert serve_attention._pieces_save(slot_rows, 128, padded_kernel) is split
+
+    # A kernel whose cost follows the visible keys (the cpp backend's decode) is never cut.
+    def skipping(*args, **kwargs):
+        return padded_kernel(*args, **kwargs)
+
+    skipping.skips_padding = True
+    assert serve_attention._pieces_save(slot_rows, 128, skipping) is False

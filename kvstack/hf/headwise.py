@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -136,7 +137,6 @@ class HeadwiseCache(TokenTableCache):
         # Model layer index -> the profile's row (its place among the attention layers).
         self._profile_row = {layer.layer_idx: i for i, layer in enumerate(self.paged_layers)}
         self.workers = workers  # of the decode attention's work list (ragged_plan)
-        self._plans: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __repr__(self) -> str:
         return (
@@ -151,14 +151,11 @@ class HeadwiseCache(TokenTableCache):
         self, layer_idx: int, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(members [G, 1], work [W, 3]) of layer ``layer_idx`` on ``device``: its head groups
-        and Tangram's ahead-of-time work list for them, made on first use and reused."""
-        key = (layer_idx, torch.device(device))
-        if key not in self._plans:
-            workers = self.workers or device_workers(key[1])
-            self._plans[key] = _ragged_plan(
-                self.profile, self._profile_row[layer_idx], workers, key[1]
-            )
-        return self._plans[key]
+        and Tangram's ahead-of-time work list for them, made on first use and reused by every
+        cache of this profile object."""
+        device = torch.device(device)
+        workers = self.workers or device_workers(device)
+        return _ragged_plan(self.profile, self._profile_row[layer_idx], workers, device)
 
     def head_budget(self, layer_idx: int, head: int, prompt_tokens: int) -> int:
         """Live tokens KV head ``head`` of layer ``layer_idx`` keeps of a ``prompt_tokens``-token
@@ -188,11 +185,11 @@ class HeadwiseCache(TokenTableCache):
         )
 
 
-# (id(profile), layer row, workers, device) -> (profile, (members, work)): caches of one profile
-# share their plans' tensors, so the engine sees at a glance (``is``) that its head-wise requests
-# run one plan. The profile is held, so its id is not reused while the entry lives.
-_PLANS: dict[tuple, tuple[HeadProfile, tuple[torch.Tensor, torch.Tensor]]] = {}
-_MAX_PLANS = 1024
+# id(profile) -> {(layer row, workers, device): (members, work)}: the plans of a profile
+# object, shared by every cache built on it (the engine sees at a glance, with ``is``, that its
+# head-wise requests run one plan). An entry goes when its profile is collected, so an id is
+# never reused while its plans live, and nothing needs a bound.
+_PLANS: dict[int, dict[tuple, tuple[torch.Tensor, torch.Tensor]]] = {}
 
 
 def _ragged_plan(
@@ -200,17 +197,17 @@ def _ragged_plan(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(members [G, 1], work [W, 3]) of the profile's attention layer ``row``: its heads sorted
     by budget, one per group, and Tangram's ahead-of-time splits of them for ``workers``."""
-    key = (id(profile), row, workers, device)
-    entry = _PLANS.get(key)
-    if entry is None or entry[0] is not profile:
+    plans = _PLANS.get(id(profile))
+    if plans is None:
+        plans = _PLANS[id(profile)] = {}
+        weakref.finalize(profile, _PLANS.pop, id(profile), None)
+    key = (row, workers, device)
+    if key not in plans:
         groups = group_heads(profile.budgets, 1, "sorted")[row]
         plan = plan_ahead_of_time([groups], workers)[0]
         members = torch.tensor([group.heads for group in groups], device=device)
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        work = torch.tensor(work_list(plan), device=device)
-        entry = _PLANS[key] = (profile, (members, work))
-    return entry[1]  # the same tuple for every cache of this profile
+        plans[key] = (members, torch.tensor(work_list(plan), device=device))
+    return plans[key]  # the same tuple for every cache of this profile
 
 
 def device_workers(device: torch.device) -> int:

@@ -160,7 +160,7 @@ def attend_decodes(
         newest = torch.cat([layers[i].query_positions(1) for i in members])  # [N, 1]
         want_weights = any(layers[i].wants_attention_weights() for i in members)
         query = torch.cat(query_rows)  # [N, 1, H', D]
-        if not want_weights and _pieces_save(slot_rows, piece):
+        if not want_weights and _pieces_save(slot_rows, piece, attention):
             out = attend_in_pieces(
                 attention,
                 query,
@@ -202,19 +202,14 @@ def attend_decodes(
 
 def _shared_ragged_plan(layers: list[Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The ragged plan (``PagedLayer.ragged_plan``) every one of ``layers`` runs, if they all
-    run the same one (caches of one profile share their plans' tensors, so ``is`` settles it at
-    once; plans made apart are compared by value) and none of them wants
-    this step's attention weights (a prompt's last one-token chunk: its policy scores it), else
-    None."""
+    run the same one (the caches of one profile object share their plans' tensors, so ``is``
+    settles it) and none of them wants this step's attention weights (a prompt's last one-token
+    chunk: its policy scores it), else None."""
     if any(layer.wants_attention_weights() for layer in layers):
         return None
     plans = [layer.ragged_plan() for layer in layers]
     first = plans[0]
-    if first is None or any(
-        plan is None
-        or (plan is not first and not (plan[0].equal(first[0]) and plan[1].equal(first[1])))
-        for plan in plans[1:]
-    ):
+    if first is None or any(plan is not first for plan in plans[1:]):
         return None
     return first
 
@@ -256,9 +251,13 @@ def _pad(rows: torch.Tensor, width: int, value: int) -> torch.Tensor:
     return torch.nn.functional.pad(rows, (0, width - rows.shape[1]), value=value)
 
 
-def _pieces_save(slot_rows: list[torch.Tensor], piece: int) -> bool:
+def _pieces_save(slot_rows: list[torch.Tensor], piece: int, attention: Any) -> bool:
     """Whether cutting the rows ([n_i, w_i] per layer) into pieces of ``piece`` keys computes at
-    least ``MIN_PIECE_SAVING`` fewer keys than padding every row to the widest."""
+    least ``MIN_PIECE_SAVING`` fewer keys than padding every row to the widest. Never for an
+    ``attention`` whose cost follows each row's visible keys, not the padded width
+    (``skips_padding``: the cpp backend's decode kernel): pieces would only add a merge."""
+    if getattr(attention, "skips_padding", False):
+        return False
     width = max(rows.shape[1] for rows in slot_rows)
     padded = sum(rows.shape[0] for rows in slot_rows) * width
     split = sum(rows.shape[0] * _piece_count(rows.shape[1], piece) * piece for rows in slot_rows)
@@ -435,9 +434,12 @@ class StepContext:
             ]
             position_rows = [torch.arange(w, device=device)[None] for w in widths]
             newest = torch.tensor([w - 1 for w in widths], device=device)[:, None]  # [R_d, 1]
-            if not _pieces_save(slot_rows, piece):
+            attention = ops.get("paged_attention", kv_attention._BACKEND)
+            if not _pieces_save(slot_rows, piece, attention):
                 piece = max(widths)  # one piece per row: the rows padded to the widest
             slots, positions, owner = cut_into_pieces(slot_rows, position_rows, piece)
+            # One piece per row: the pieces' outputs are the rows', with nothing to merge.
+            self.decode_uncut = len(owner) == len(decodes)
             # [P, piece] each; slot -1 stays -1 in every layer.
             self.decode_rows = (slots, slots < 0, positions, newest.index_select(0, owner))
             self.decode_owner = owner
@@ -478,7 +480,10 @@ class StepContext:
                 scale=scaling,
                 check=False,  # built from the requests' own pages in the engine's arena
             )
-            merged = merge_pieces(part.out, part.lse, self.decode_owner, self.decode_count)
+            if self.decode_uncut:  # a row with nothing visible is 0 either way
+                merged = part.out
+            else:
+                merged = merge_pieces(part.out, part.lse, self.decode_owner, self.decode_count)
             out.index_copy_(0, self.decode_tokens, merged[:, 0])
         for start, end, table, positions, queries in self.prefills:
             part = attention(
