@@ -28,8 +28,9 @@ what the device held at the end (tier bytes plus tails ÷ the KV).
   ``merge_segments=True`` (each layer's device-resident, fetched and recomputed pages attended
   as separate segments, merged by log-sum-exp: AsymCache's multi-segment attention) ÷ the same
   run gathering its pages in order for one sdpa call (the default). Same pages, tiers and
-  scores; what differs is the attention: a ``paged_attention`` call per segment (kvstack's
-  compiled kernel, each segment copied into its pool layout) and a merge, against one sdpa call
+  scores; what differs is the attention: a ``paged_attention`` call per segment (the cpp
+  backend's decode kernel, prefill through the compiled one; each segment copied into its pool
+  layout) and a merge, against one sdpa call
   over one concatenation.
 * ``tiers.overlap_fraction``: in that run, the share of fetch time the model's thread did not
   wait for (the prefetcher fetches the next layer's pages on a worker thread). Target >= 0.9.

@@ -145,6 +145,7 @@ def _cpu_decode_attention(library: Any) -> tuple[Callable, Callable]:
             query.shape[1] == 1
             and not return_weights
             and query.device.type == "cpu"
+            and query.dtype == key_cache.dtype == value_cache.dtype  # the spec allows mixed
             and _plain_pool(key_cache, value_cache)
         )
 
@@ -211,8 +212,9 @@ def _cpu_decode_attention(library: Any) -> tuple[Callable, Callable]:
         )
         return AttentionOutput(out, lse, None)
 
-    # The kernel's cost follows each row's visible keys, not its padded width: a caller that
-    # would cut rows into pieces to spare padded work (the engine's decode) needs not.
+    # On CPU tensors the kernel's cost follows each row's visible keys, not its padded width:
+    # a caller that would cut rows into pieces to spare padded work (the engine's decode)
+    # needs not. (The registry gives another backend for tensors elsewhere: ops.get(device=).)
     paged_attention.skips_padding = True
     decode_attention.skips_padding = True
     return paged_attention, decode_attention

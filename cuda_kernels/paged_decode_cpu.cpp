@@ -124,6 +124,13 @@ void decode_rows(const scalar_t* query, const scalar_t* keys, const scalar_t* va
         for (int64_t i = 1; i < n; ++i) {
           top = p[i] > top ? p[i] : top;
         }
+        const int64_t head = h * group + g;
+        float* out_row = out + (b * q_heads + head) * head_dim;
+        if (top == minus_inf) {  // every visible score is -inf (infinite keys): as if none
+          std::fill(out_row, out_row + head_dim, 0.0f);
+          lse[b * q_heads + head] = minus_inf;
+          continue;
+        }
         float sum = 0.0f;
         for (int64_t i = 0; i < n; ++i) {
           p[i] = std::exp(p[i] - top);
@@ -138,8 +145,6 @@ void decode_rows(const scalar_t* query, const scalar_t* keys, const scalar_t* va
             acc_g[d] += p[i] * static_cast<float>(value[d]);
           }
         }
-        const int64_t head = h * group + g;
-        float* out_row = out + (b * q_heads + head) * head_dim;
         const float inverse = 1.0f / sum;
         for (int64_t d = 0; d < head_dim; ++d) {
           out_row[d] = acc_g[d] * inverse;

@@ -224,3 +224,44 @@ def test_cpp_decode_attention_refuses_a_slot_outside_the_pool_even_unchecked():
             positions[:, -1:],
             check=False,
         )
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 24])  # the kernel's specialised widths, and not
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_decode_attention_at_model_head_dims(head_dim, dtype):
+    attention = cpp_paged()
+    generator = torch.Generator().manual_seed(head_dim)
+    key_cache = torch.randn(6, 16, 3, head_dim, generator=generator).to(dtype)
+    value_cache = torch.randn(6, 16, 3, head_dim, generator=generator).to(dtype)
+    slots = torch.randperm(96, generator=generator)[:80].view(2, 40)
+    slots[1, 30:] = -1
+    positions = torch.arange(40).expand(2, 40).contiguous()
+    query = torch.randn(2, 1, 9, head_dim, generator=generator).to(dtype)
+    args = (query, key_cache, value_cache, slots, positions, torch.tensor([[39], [20]]))
+    for window in (None, 7):
+        expected = reference_paged_attention(*args, window=window)
+        got = attention(*args, window=window)
+        atol, rtol = TOLERANCES[dtype]
+        torch.testing.assert_close(got.out.float(), expected.out.float(), atol=atol, rtol=rtol)
+        torch.testing.assert_close(got.lse, expected.lse, atol=1e-4, rtol=1e-5)
+
+
+def test_cpp_decode_attention_takes_what_the_spec_takes_mixed_dtypes_and_infinite_keys():
+    """A query in another dtype than the pool (the spec computes in float32: the compiled
+    kernels take it), and keys whose every score is -inf (the spec's nothing-visible result:
+    zeros and an lse of -inf, not NaN)."""
+    attention = cpp_paged()
+    key_cache = torch.randn(2, 4, 1, 8).bfloat16()
+    slots = torch.arange(8).view(1, 8)
+    positions = torch.arange(8).view(1, 8)
+    query = torch.randn(1, 1, 2, 8)  # float32 over a bf16 pool
+    args = (query, key_cache, key_cache.clone(), slots, positions, positions[:, -1:])
+    torch.testing.assert_close(
+        attention(*args).out, reference_paged_attention(*args).out, atol=1e-5, rtol=1e-5
+    )
+    infinite = torch.full((2, 4, 1, 8), math.inf)
+    negative = -torch.ones(1, 1, 2, 8)
+    args = (negative, infinite, infinite.clone(), slots, positions, positions[:, -1:])
+    expected, got = reference_paged_attention(*args), attention(*args)
+    assert torch.equal(expected.out, torch.zeros_like(expected.out))
+    assert torch.equal(got.out, expected.out) and torch.equal(got.lse, expected.lse)

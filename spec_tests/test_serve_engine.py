@@ -7,6 +7,8 @@ evicting ones against ``generate`` with the same kvstack cache alone.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -215,11 +217,12 @@ def count_paged_attention(monkeypatch, on_call=None) -> list[int]:
     calls: list[int] = []
     real_get = ops.get
 
-    def get(name, backend=None):
-        attention = real_get(name, backend)
+    def get(name, backend=None, **where):
+        attention = real_get(name, backend, **where)
         if name not in ("paged_attention", "ragged_decode_attention"):
             return attention
 
+        @functools.wraps(attention)  # keeps what the kernel says of itself (skips_padding)
         def counted(*args, **kwargs):
             calls.append(args[0].shape[0])
             if on_call is not None:

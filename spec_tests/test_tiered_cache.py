@@ -15,7 +15,7 @@ from kvstack.tiers import ATTENTION_NAME, TieredCache
 from spec_tests.tiny import tiny_llama_config
 
 
-def greedy(model, ids, cache, new_tokens):
+def greedy(model, ids, cache, new_tokens, **kwargs):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         return model.generate(
@@ -24,6 +24,7 @@ def greedy(model, ids, cache, new_tokens):
             max_new_tokens=new_tokens,
             do_sample=False,
             min_new_tokens=new_tokens,
+            **kwargs,
         )
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import warnings
 
 import pytest
 import torch
@@ -19,22 +18,11 @@ from transformers import DynamicCache, LlamaForCausalLM
 from kvstack.errors import InvalidArgumentError, KVStackError
 from kvstack.tiers import ATTENTION_NAME, TieredCache
 from kvstack.tiers import attention as tiers_attention
+from spec_tests.test_tiered_cache import greedy
+from spec_tests.test_tiered_cache import tiers_attention as on_tiers_attention
 from spec_tests.tiny import tiny_llama_config
 
 PAGE = 2 * 16 * 2 * 16 * 4  # K and V of 16 tokens, 2 KV heads of 16 dims, fp32 (tiny model)
-
-
-def greedy(model, ids, cache, new_tokens, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        return model.generate(
-            ids,
-            past_key_values=cache,
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            min_new_tokens=new_tokens,
-            **kwargs,
-        )
 
 
 @pytest.fixture(scope="module")
@@ -43,15 +31,6 @@ def tiny_model():
     model = LlamaForCausalLM(tiny_llama_config(num_hidden_layers=3)).eval()
     model.generation_config.pad_token_id = 0
     return model
-
-
-@contextlib.contextmanager
-def on_tiers_attention(model):
-    model.set_attn_implementation(ATTENTION_NAME)
-    try:
-        yield model
-    finally:
-        model.set_attn_implementation("sdpa")
 
 
 @contextlib.contextmanager

@@ -136,7 +136,8 @@ def attend_decodes(
         geometry = (key_cache.data_ptr(), tuple(key_cache.shape), key_cache.stride())
         groups.setdefault(geometry, []).append(index)
     results: list[torch.Tensor | None] = [None] * len(layers)
-    attention = ops.get("paged_attention", kv_attention._BACKEND)
+    device = views[0][0].device
+    attention = ops.get("paged_attention", kv_attention._BACKEND, device=device)
     for members in groups.values():
         key_cache, value_cache = views[members[0]][0], views[members[0]][1]
         plan = _shared_ragged_plan([layers[i] for i in members])
@@ -434,7 +435,7 @@ class StepContext:
             ]
             position_rows = [torch.arange(w, device=device)[None] for w in widths]
             newest = torch.tensor([w - 1 for w in widths], device=device)[:, None]  # [R_d, 1]
-            attention = ops.get("paged_attention", kv_attention._BACKEND)
+            attention = ops.get("paged_attention", kv_attention._BACKEND, device=device)
             if not _pieces_save(slot_rows, piece, attention):
                 piece = max(widths)  # one piece per row: the rows padded to the widest
             slots, positions, owner = cut_into_pieces(slot_rows, position_rows, piece)
@@ -467,7 +468,7 @@ class StepContext:
         self.value_cache.view(rows).index_copy_(0, slots, value[0].transpose(0, 1))
         query_rows = query[0].transpose(0, 1)  # [T, H_q, D]
         out = torch.empty_like(query_rows)
-        attention = ops.get("paged_attention", kv_attention._BACKEND)
+        attention = ops.get("paged_attention", kv_attention._BACKEND, device=self.key_cache.device)
         if self.decode_rows is not None:
             piece_slots, padding, positions, newest = self.decode_rows
             part = attention(

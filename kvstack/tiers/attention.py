@@ -168,7 +168,16 @@ def tiers_attention(
     segments, gather = PENDING.segments, PENDING.gather
     if layer is not None:
         PENDING.clear()  # one update, one attention call
-    if layer is not None and segments is not None and attention_mask is None and not dropout:
+    # What the segments cannot express goes to sdpa over the gathered keys: a mask (padded
+    # rows), dropout, or what transformers' other attentions take (softcap, sinks, a bias).
+    plain = (
+        attention_mask is None
+        and not dropout
+        and not any(
+            kwargs.get(name) is not None for name in ("softcap", "s_aux", "sinks", "position_bias")
+        )
+    )
+    if layer is not None and segments is not None and plain:
         # A plain causal step: each segment on its own, merged. (transformers passes no mask
         # when the rows have no padding and the step is causal over everything before it.)
         seen = layer.get_seq_length()
@@ -179,7 +188,7 @@ def tiers_attention(
             layer.observe_attention(mass, query.shape[2])
         return out, None
     if layer is not None and segments is not None:
-        key, value = gather()  # padded rows: sdpa, under the mask, over the gathered K/V
+        key, value = gather()  # sdpa, under the mask, over the gathered K/V
     out, _ = sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
     )

@@ -27,8 +27,8 @@ fetched pages, the recomputed pages; each segment is attended on its own by the 
 ``multi_segment_attention`` op (positions give each key its causal place) and the results merge
 by log-sum-exp, which equals attention over the union. Each segment is still copied once into
 the paged attention's pool layout (pages are [B, H, block, D] tensors, the pool
-[B, T_s, H, D]): the same bytes as the gather, plus a compiled call per segment and one merge
-where the gather makes one sdpa call. On this project's CPU benchmark that is slower
+[B, T_s, H, D]): the same bytes as the gather, plus an attention call per segment (on CPU
+the cpp backend's decode kernel) and one merge where the gather makes one sdpa call. On this project's CPU benchmark that is slower
 (``tiers.decode_speed_ratio.segments_over_gathered``), so it is off by default; a device tier
 kept in one pool, attended in place, is what would make it pay. Other attentions (sdpa, eager)
 always get the gathered K/V.
@@ -1093,6 +1093,9 @@ class TieredCache(Cache):
         any (a resumed conversation's too: resume it again from a copy of its directory if it
         must survive); pending fetches are drained first (page keys are reused)."""
         self.prefetcher.drain()
+        pending = tiers_attention.PENDING
+        if pending.layer is not None and pending.layer.cache is self:  # a step cut short
+            pending.clear()
         super().reset()
         self._token_ids = None
         self._recomputed = {}
