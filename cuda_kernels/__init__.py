@@ -42,6 +42,7 @@ CPU_SOURCES: dict[str, str] = {
     "paged_attention": "paged_decode_cpu.cpp",  # decode steps; prefill through compiled
     "decode_attention": "paged_decode_cpu.cpp",
     "multi_segment_attention": "paged_decode_cpu.cpp",  # a decode kernel call per segment
+    "ragged_decode_attention": "ragged_decode_cpu.cpp",
 }
 _CPU_LIBRARY = "kvstack_cpu"
 
@@ -66,6 +67,7 @@ def load_cpu() -> dict[str, Callable]:
             # the machine's vector units; reassociation lets the dot products and sums
             # vectorize (the results stay within the float tolerance of the reference), while
             # infinities and NaN keep their meaning (no finite-math assumption).
+            extra_include_paths=[str(HERE)],  # cpu_attention.h, shared by the kernels
             extra_cflags=[
                 "-O3",
                 "-march=native",
@@ -84,7 +86,17 @@ def load_cpu() -> dict[str, Callable]:
         return None
 
     @torch.library.register_fake(f"{_CPU_LIBRARY}::paged_decode")
-    def _(query, key_cache, value_cache, slots, key_positions, query_positions, first, scale):
+    def _(query, key_cache, value_cache, slots, key_positions, query_positions, first, scale, ask):
+        batch, _, heads, head_dim = query.shape
+        out = query.new_empty((batch, 1, heads, head_dim))  # [B, 1, H_q, D], the query's dtype
+        lse = query.new_empty((batch, 1, heads), dtype=torch.float32)
+        weights = query.new_empty(
+            (batch if ask else 0, heads, 1, slots.shape[1]), dtype=torch.float32
+        )
+        return out, lse, weights
+
+    @torch.library.register_fake(f"{_CPU_LIBRARY}::ragged_decode")
+    def _(query, key_cache, value_cache, slots, lengths, members, work, scale):
         batch, _, heads, head_dim = query.shape
         out = query.new_empty((batch, 1, heads, head_dim))  # [B, 1, H_q, D], the query's dtype
         return out, query.new_empty((batch, 1, heads), dtype=torch.float32)
@@ -99,6 +111,7 @@ def load_cpu() -> dict[str, Callable]:
         "paged_attention": paged_attention,
         "decode_attention": decode_attention,
         "multi_segment_attention": _cpu_multi_segment_attention(paged_attention),
+        "ragged_decode_attention": _cpu_ragged_decode_attention(library),
     }
 
 
@@ -124,10 +137,10 @@ def _cpu_multi_segment_attention(paged_attention: Callable) -> Callable:
 
 
 def _cpu_decode_attention(library: Any) -> tuple[Callable, Callable]:
-    """``paged_attention`` and ``decode_attention`` for CPU tensors: decode steps without
-    weights in the C++ kernel (``paged_decode_cpu.cpp``), everything else (prefill chunks,
-    weights, tensors elsewhere, pools whose slots are not one row) through the compiled
-    kernels."""
+    """``paged_attention`` and ``decode_attention`` for CPU tensors: decode steps, with or
+    without weights, in the C++ kernel (``paged_decode_cpu.cpp``), everything else (prefill
+    chunks, tensors elsewhere, mixed dtypes, pools whose slots are not one row) through the
+    compiled kernels."""
     import math
 
     from kvstack.compiled.attention import decode_attention as compiled_decode_attention
@@ -140,10 +153,9 @@ def _cpu_decode_attention(library: Any) -> tuple[Callable, Callable]:
 
     empty = torch.empty(0, dtype=torch.long)  # no window; for decode_attention, no positions
 
-    def runs_here(query, key_cache, value_cache, return_weights) -> bool:
+    def runs_here(query, key_cache, value_cache) -> bool:
         return (
             query.shape[1] == 1
-            and not return_weights
             and query.device.type == "cpu"
             and query.dtype == key_cache.dtype == value_cache.dtype  # the spec allows mixed
             and _plain_pool(key_cache, value_cache)
@@ -163,8 +175,9 @@ def _cpu_decode_attention(library: Any) -> tuple[Callable, Callable]:
         check=True,
     ):
         """Implements ``kvstack.reference.attention.paged_attention``: a decode step in the C++
-        kernel, anything else through the compiled kernels."""
-        if not runs_here(query, key_cache, value_cache, return_weights):
+        kernel (its weights too, for eviction policies), anything else through the compiled
+        kernels."""
+        if not runs_here(query, key_cache, value_cache):
             return compiled_paged_attention(
                 query,
                 key_cache,
@@ -183,18 +196,25 @@ def _cpu_decode_attention(library: Any) -> tuple[Callable, Callable]:
             )
         scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
         first = empty if window is None else query_positions - window + 1  # [B, 1]
-        out, lse = library.paged_decode(
-            query, key_cache, value_cache, slots, key_positions, query_positions, first, scale
+        out, lse, weights = library.paged_decode(
+            query,
+            key_cache,
+            value_cache,
+            slots,
+            key_positions,
+            query_positions,
+            first,
+            scale,
+            return_weights,
         )
-        return AttentionOutput(out, lse, None)
+        return AttentionOutput(out, lse, weights if return_weights else None)
 
     def decode_attention(
         query, key_cache, value_cache, slots, *, scale=None, return_weights=False, check=True
     ):
         """Implements ``kvstack.reference.attention.decode_attention``: in the C++ kernel
-        without positions (every slot of a live view is visible), or through the compiled
-        kernels when weights are asked."""
-        if not runs_here(query, key_cache, value_cache, return_weights):
+        without positions (every slot of a live view is visible)."""
+        if not runs_here(query, key_cache, value_cache):
             return compiled_decode_attention(
                 query,
                 key_cache,
@@ -207,10 +227,10 @@ def _cpu_decode_attention(library: Any) -> tuple[Callable, Callable]:
         if check:
             check_decode_args(query, key_cache, value_cache, slots)
         scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-        out, lse = library.paged_decode(
-            query, key_cache, value_cache, slots, empty, empty, empty, scale
+        out, lse, weights = library.paged_decode(
+            query, key_cache, value_cache, slots, empty, empty, empty, scale, return_weights
         )
-        return AttentionOutput(out, lse, None)
+        return AttentionOutput(out, lse, weights if return_weights else None)
 
     # On CPU tensors the kernel's cost follows each row's visible keys, not its padded width:
     # a caller that would cut rows into pieces to spare padded work (the engine's decode)
@@ -218,6 +238,39 @@ def _cpu_decode_attention(library: Any) -> tuple[Callable, Callable]:
     paged_attention.skips_padding = True
     decode_attention.skips_padding = True
     return paged_attention, decode_attention
+
+
+def _cpu_ragged_decode_attention(library: Any) -> Callable:
+    """``ragged_decode_attention`` for CPU tensors in the C++ kernel (``ragged_decode_cpu.cpp``);
+    queries and pools of different dtypes, tensors elsewhere and pools whose slots are not one
+    row go to the compiled kernel."""
+    import math
+
+    from kvstack.compiled.ragged import ragged_decode_attention as compiled_ragged
+    from kvstack.reference.attention import AttentionOutput
+    from kvstack.reference.ragged import check_ragged_args
+
+    def ragged_decode_attention(
+        query, key_cache, value_cache, slots, lengths, members, work, *, scale=None, check=True
+    ):
+        """Implements ``kvstack.reference.ragged.ragged_decode_attention``: the work list's
+        rows as the kernel's tasks, each (sequence, row) a partial state per member, merged per
+        KV head by log-sum-exp."""
+        args = (query, key_cache, value_cache, slots, lengths, members, work)
+        runs_here = (
+            query.device.type == "cpu"
+            and query.dtype == key_cache.dtype == value_cache.dtype
+            and _plain_pool(key_cache, value_cache)
+        )
+        if not runs_here:
+            return compiled_ragged(*args, scale=scale, check=check)
+        if check:
+            check_ragged_args(*args)
+        scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+        out, lse = library.ragged_decode(*args, scale)
+        return AttentionOutput(out, lse, None)
+
+    return ragged_decode_attention
 
 
 def _plain_pool(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:

@@ -3,7 +3,7 @@
 //
 // A decode step is memory-bound and small: for each sequence and KV head, one pass over the
 // K/V rows its table names, each row read once for the G query heads that share it (GQA),
-// with an online softmax (running max, sum and weighted values per query head), so nothing
+// then per query head a softmax and one pass over the values (cpu_attention.h), so nothing
 // is gathered or padded. What it saves over the torch.compile kernel on CPU is mostly the call:
 // a compiled graph's guards and wrappers cost more per call than a decode step's attention
 // over a few thousand keys, and a model calls it once per layer per token.
@@ -13,7 +13,8 @@
 // (decode_attention over a live view) every slot >= 0 is. Scores are
 // (q . k) * scale in float32; lse is the natural log-sum-exp of the visible scores (-inf, and an
 // output of zeros, when none is visible). Slots outside the pool are refused (a read outside
-// its memory), never read.
+// its memory), never read. Asked for, the weights are [B, H_q, 1, T] float32: each visible
+// key's probability at its column of the table, 0 elsewhere (what eviction policies read).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -27,14 +28,13 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_attention.h"
+
 namespace {
 
-// Where slot s's [H_kv, D] row starts in a pool [N, block_size, H_kv, D], in elements: blocks
-// may be strided apart (an arena's K and V blocks interleaved), rows within a block too.
-struct Strides {
-  int64_t block_size, block, slot;
-  int64_t row(int64_t s) const { return (s / block_size) * block + (s % block_size) * slot; }
-};
+using kvstack_kernels::Rows;
+using kvstack_kernels::Strides;
+using kvstack_kernels::strides_of;
 
 // kHeadDim > 0: head_dim known at compile time (fully unrolled, vectorized inner loops);
 // 0: any head_dim.
@@ -42,26 +42,27 @@ template <typename scalar_t, int64_t kHeadDim>
 void decode_rows(const scalar_t* query, const scalar_t* keys, const scalar_t* values,
                  const int64_t* slots, const int64_t* key_positions,
                  const int64_t* query_positions, const int64_t* first_visible, float* out,
-                 float* lse, int64_t batch, int64_t width, int64_t q_heads, int64_t kv_heads,
+                 float* lse, float* weights, int64_t batch, int64_t width, int64_t q_heads, int64_t kv_heads,
                  int64_t runtime_head_dim, int64_t pool_rows, const Strides& key_strides,
                  const Strides& value_strides, float scale, std::atomic<bool>& bad_slot) {
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : runtime_head_dim;
   const int64_t group = q_heads / kv_heads;
-  const float minus_inf = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     // Per (sequence, KV head): the visible rows, then each query head's scores over them
     // (one pass over the keys), their softmax, and the weighted sum of the values (one pass
     // over the values). Two passes keep every inner loop a plain loop over D or over the keys,
     // which the compiler vectorizes; an online softmax would rescale per key instead.
-    std::vector<int64_t> rows;
+    std::vector<int64_t> rows, columns;  // the visible keys' slots, and (for weights) columns
     std::vector<float> q(group * head_dim), acc(head_dim), row(head_dim), scores;
     rows.reserve(width);
+    columns.reserve(weights == nullptr ? 0 : width);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / kv_heads, h = bh % kv_heads;
       // No positions: every slot of the row is visible (a token table's live view).
       const int64_t query_position = key_positions == nullptr ? 0 : query_positions[b];
       const int64_t first = first_visible == nullptr ? 0 : first_visible[b];
       rows.clear();
+      columns.clear();
       for (int64_t t = 0; t < width; ++t) {
         const int64_t slot = slots[b * width + t];
         if (slot < 0) {
@@ -78,100 +79,35 @@ void decode_rows(const scalar_t* query, const scalar_t* keys, const scalar_t* va
           }
         }
         rows.push_back(slot);
+        if (weights != nullptr) {
+          columns.push_back(t);
+        }
+      }
+      // The G query heads of KV head h are adjacent: h * G .. h * G + G - 1; scaled once.
+      const int64_t head = b * q_heads + h * group;
+      for (int64_t i = 0; i < group * head_dim; ++i) {
+        q[i] = static_cast<float>(query[head * head_dim + i]) * scale;
       }
       const int64_t n = static_cast<int64_t>(rows.size());
-      // The G query heads of KV head h are adjacent: h * G .. h * G + G - 1; scaled once.
-      const scalar_t* q_src = query + (b * q_heads + h * group) * head_dim;
-      for (int64_t i = 0; i < group * head_dim; ++i) {
-        q[i] = static_cast<float>(q_src[i]) * scale;
-      }
-      scores.assign(group * n, 0.0f);  // [G, n]
-      for (int64_t i = 0; i < n; ++i) {
-        const scalar_t* key = keys + key_strides.row(rows[i]) + h * head_dim;
-        const float* k = row.data();
-        if constexpr (std::is_same_v<scalar_t, float>) {
-          k = key;
-        } else {
-          for (int64_t d = 0; d < head_dim; ++d) {
-            row[d] = static_cast<float>(key[d]);
-          }
-        }
-        for (int64_t g = 0; g < group; ++g) {
-          const float* __restrict__ qg = q.data() + g * head_dim;
-          float dot = 0.0f;
-          for (int64_t d = 0; d < head_dim; ++d) {
-            dot += qg[d] * k[d];
-          }
-          scores[g * n + i] = dot;
-        }
-      }
-      if (n == 0) {  // nothing visible: zeros, and an lse of -inf
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t head = h * group + g;
-          float* out_row = out + (b * q_heads + head) * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) {
-            out_row[d] = 0.0f;
-          }
-          lse[b * q_heads + head] = minus_inf;
-        }
-        continue;
-      }
-      // Per query head: the softmax of its scores, then the weighted sum of the values, its
-      // D accumulators kept in registers (one pass for all G heads would hold G * D of them).
-      for (int64_t g = 0; g < group; ++g) {
-        float* __restrict__ p = scores.data() + g * n;
-        float top = p[0];
-        for (int64_t i = 1; i < n; ++i) {
-          top = p[i] > top ? p[i] : top;
-        }
-        const int64_t head = h * group + g;
-        float* out_row = out + (b * q_heads + head) * head_dim;
-        if (top == minus_inf) {  // every visible score is -inf (infinite keys): as if none
-          std::fill(out_row, out_row + head_dim, 0.0f);
-          lse[b * q_heads + head] = minus_inf;
-          continue;
-        }
-        float sum = 0.0f;
-        for (int64_t i = 0; i < n; ++i) {
-          p[i] = std::exp(p[i] - top);
-          sum += p[i];
-        }
-        float* __restrict__ acc_g = acc.data();
-        std::fill(acc_g, acc_g + head_dim, 0.0f);
-        for (int64_t i = 0; i < n; ++i) {
-          const scalar_t* __restrict__ value =
-              values + value_strides.row(rows[i]) + h * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) {
-            acc_g[d] += p[i] * static_cast<float>(value[d]);
-          }
-        }
-        const float inverse = 1.0f / sum;
-        for (int64_t d = 0; d < head_dim; ++d) {
-          out_row[d] = acc_g[d] * inverse;
-        }
-        lse[b * q_heads + head] = top + std::log(sum);
-      }
+      const Rows key_rows{rows.data(), n, key_strides, h * head_dim};
+      const Rows value_rows{rows.data(), n, value_strides, h * head_dim};
+      kvstack_kernels::score_rows<scalar_t, kHeadDim>(q.data(), group, keys, key_rows, head_dim,
+                                                      row, scores);
+      kvstack_kernels::softmax_values<scalar_t, kHeadDim>(
+          scores, group, values, value_rows, head_dim, acc, out + head * head_dim, lse + head,
+          weights == nullptr ? nullptr : weights + head * width, columns.data(), width);
     }
   });
 }
 
-// A pool [N, block_size, H_kv, D] whose slots each hold their H_kv x D values as one row.
-Strides strides_of(const at::Tensor& cache, const char* name) {
-  TORCH_CHECK(cache.dim() == 4, name, " must be [num_blocks, block_size, H_kv, D], got ",
-              cache.dim(), " dims");
-  TORCH_CHECK(cache.stride(3) == 1 && cache.stride(2) == cache.size(3), name,
-              " must hold each slot's H_kv x D values contiguously, got strides ",
-              cache.strides());
-  return Strides{cache.size(1), cache.stride(0), cache.stride(1)};
-}
-
-std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& query,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> paged_decode(const at::Tensor& query,
                                                 const at::Tensor& key_cache,
                                                 const at::Tensor& value_cache,
                                                 const at::Tensor& slots,
                                                 const at::Tensor& key_positions,
                                                 const at::Tensor& query_positions,
-                                                const at::Tensor& first_visible, double scale) {
+                                                const at::Tensor& first_visible, double scale,
+                                                bool return_weights) {
   TORCH_CHECK(query.dim() == 4 && query.size(1) == 1,
               "query must be [B, 1, H_q, D] (one decode token), got ", query.sizes());
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.dtype() == query.dtype() &&
@@ -205,6 +141,10 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& query,
   const at::Tensor first = first_visible.to(at::kLong).contiguous();
   at::Tensor out = at::empty({batch, 1, q_heads, head_dim}, query.options().dtype(at::kFloat));
   at::Tensor lse = at::empty({batch, 1, q_heads}, query.options().dtype(at::kFloat));
+  // [B, H_q, 1, T], zeros where no key is visible; not asked for: an empty tensor.
+  const int64_t width = slot_table.size(1);
+  at::Tensor weights = at::zeros({return_weights ? batch : 0, q_heads, 1, width},
+                                 query.options().dtype(at::kFloat));
   std::atomic<bool> bad_slot{false};
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
@@ -214,7 +154,8 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& query,
                  positioned ? positions.data_ptr<int64_t>() : nullptr,
                  positioned ? query_at.data_ptr<int64_t>() : nullptr,
                  windowed ? first.data_ptr<int64_t>() : nullptr, out.data_ptr<float>(),
-                 lse.data_ptr<float>(), batch, slot_table.size(1), q_heads, kv_heads, head_dim,
+                 lse.data_ptr<float>(), return_weights ? weights.data_ptr<float>() : nullptr,
+                 batch, width, q_heads, kv_heads, head_dim,
                  key_cache.size(0) * key_cache.size(1), key_strides, value_strides,
                  static_cast<float>(scale), bad_slot);
         };
@@ -228,7 +169,7 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& query,
       });
   TORCH_CHECK(!bad_slot, "slots must be -1 or in [0, ", key_cache.size(0) * key_cache.size(1),
               "): a slot names a row outside the pool");
-  return {out.to(query.scalar_type()), lse};
+  return {out.to(query.scalar_type()), lse, weights};
 }
 
 }  // namespace
@@ -236,8 +177,8 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& query,
 TORCH_LIBRARY_FRAGMENT(kvstack_cpu, m) {
   m.def(
       "paged_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor slots, "
-      "Tensor key_positions, Tensor query_positions, Tensor first_visible, float scale) "
-      "-> (Tensor, Tensor)");
+      "Tensor key_positions, Tensor query_positions, Tensor first_visible, float scale, "
+      "bool return_weights) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(kvstack_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }

@@ -3,8 +3,9 @@
 Its equivalence with the reference runs with every backend's in test_equivalence.py and in the
 repack property and state-machine tests; here: that it builds wherever a compiler exists (so a
 broken build cannot hide behind skipped tests), the registry's device rule, the layouts an arena
-gives it, and bad input, for ``copy_slots`` and for the decode attention (``paged_attention``
-with one query token: the C++ kernel; anything else goes to the compiled kernels).
+gives it, and bad input, for ``copy_slots``, for the decode attention (``paged_attention``
+with one query token: the C++ kernel; anything else goes to the compiled kernels) and for the
+ragged decode attention over head groups' tables (``ragged_decode_attention``).
 """
 
 from __future__ import annotations
@@ -20,8 +21,16 @@ from hypothesis import given, settings
 
 from kvstack import ops
 from kvstack.reference.attention import paged_attention as reference_paged_attention
+from kvstack.reference.ragged import ragged_decode_attention as reference_ragged
 from kvstack.reference.repack import copy_slots as reference_copy_slots
-from spec_tests.strategies import TOLERANCES, AttentionCase, attention_cases
+from spec_tests.strategies import (
+    TOLERANCES,
+    AttentionCase,
+    RaggedCase,
+    attention_cases,
+    ragged_cases,
+    ragged_tables,
+)
 
 COPY = ops.operations()["copy_slots"]
 
@@ -161,17 +170,23 @@ def decode_case(case: AttentionCase, layout: str) -> AttentionCase:
     drawn=attention_cases(windows=True),
     layout=st.sampled_from(["plain", "block", "row"]),
     check=st.booleans(),
+    weights=st.booleans(),
 )
-def test_cpp_decode_attention_matches_the_reference_on_arena_layouts(drawn, layout, check):
-    """The C++ decode kernel (one query token, no weights) against the reference: GQA, windows,
-    padding slots, positions with gaps, sequences that see nothing, bf16/fp16/fp32, and pools
-    whose blocks or rows are strided (an arena's interleaved K/V)."""
+def test_cpp_decode_attention_matches_the_reference_on_arena_layouts(drawn, layout, check, weights):
+    """The C++ decode kernel (one query token, its weights if asked) against the reference: GQA,
+    windows, padding slots, positions with gaps, sequences that see nothing, bf16/fp16/fp32, and
+    pools whose blocks or rows are strided (an arena's interleaved K/V)."""
     attention = cpp_paged()
     case = decode_case(drawn, layout)
-    expected = reference_paged_attention(*case.args(), **case.kwargs())
-    got = attention(*case.args(), **case.kwargs(), check=check)
+    expected = reference_paged_attention(*case.args(), **case.kwargs(), return_weights=weights)
+    got = attention(*case.args(), **case.kwargs(), check=check, return_weights=weights)
     atol, rtol = TOLERANCES[case.query.dtype]
-    assert got.out.dtype == case.query.dtype and got.weights is None
+    assert got.out.dtype == case.query.dtype
+    if weights:  # each visible key's probability at its column, 0 elsewhere, in float32
+        assert got.weights.dtype == torch.float32
+        torch.testing.assert_close(got.weights, expected.weights, atol=atol, rtol=rtol)
+    else:
+        assert got.weights is None
     torch.testing.assert_close(got.out.float(), expected.out.float(), atol=atol, rtol=rtol)
     assert torch.equal(got.lse == -math.inf, expected.lse == -math.inf)
     finite = expected.lse > -math.inf
@@ -179,7 +194,7 @@ def test_cpp_decode_attention_matches_the_reference_on_arena_layouts(drawn, layo
 
 
 def test_cpp_decode_attention_is_the_kernel_for_decode_steps_only(monkeypatch):
-    """Decode steps without weights run the C++ kernel; prefill chunks and weights go to the
+    """Decode steps run the C++ kernel, with or without weights; prefill chunks go to the
     compiled kernels (a spy on the library call tells them apart)."""
     attention = cpp_paged()
     calls = []
@@ -195,7 +210,8 @@ def test_cpp_decode_attention_is_the_kernel_for_decode_steps_only(monkeypatch):
     attention(torch.randn(2, 1, 4, 16), key_cache, value_cache, slots, positions, positions[:, -1:])
     assert calls == [1]
     attention(torch.randn(2, 3, 4, 16), key_cache, value_cache, slots, positions, positions[:, -3:])
-    attention(
+    assert calls == [1]
+    weighted = attention(
         torch.randn(2, 1, 4, 16),
         key_cache,
         value_cache,
@@ -204,7 +220,7 @@ def test_cpp_decode_attention_is_the_kernel_for_decode_steps_only(monkeypatch):
         positions[:, -1:],
         return_weights=True,
     )
-    assert calls == [1]
+    assert calls == [1, 1] and weighted.weights.shape == (2, 4, 1, 10)
 
 
 def test_cpp_decode_attention_refuses_a_slot_outside_the_pool_even_unchecked():
@@ -265,3 +281,127 @@ def test_cpp_decode_attention_takes_what_the_spec_takes_mixed_dtypes_and_infinit
     expected, got = reference_paged_attention(*args), attention(*args)
     assert torch.equal(expected.out, torch.zeros_like(expected.out))
     assert torch.equal(got.out, expected.out) and torch.equal(got.lse, expected.lse)
+
+
+# ---------------------------------------------------------------------- ragged decode attention
+RAGGED = ops.operations()["ragged_decode_attention"]
+
+
+def cpp_ragged():
+    if "cpp" not in RAGGED.implementations:
+        pytest.skip(RAGGED.unavailable["cpp"])
+    return RAGGED.implementations["cpp"]
+
+
+def interleaved(key_cache: torch.Tensor, value_cache: torch.Tensor, layout: str):
+    """The pools as an arena may give them: plain, or K and V interleaved per block or row."""
+    if layout == "plain":
+        return key_cache, value_cache
+    axis = {"block": 1, "row": 2}[layout]
+    buffer = torch.stack([key_cache, value_cache], dim=axis).contiguous()
+    return buffer.select(axis, 0), buffer.select(axis, 1)
+
+
+def assert_ragged_close(got, expected, dtype):
+    atol, rtol = TOLERANCES[dtype]
+    assert got.out.dtype == expected.out.dtype and got.weights is None
+    torch.testing.assert_close(got.out.float(), expected.out.float(), atol=atol, rtol=rtol)
+    assert torch.equal(got.lse == -math.inf, expected.lse == -math.inf)
+    finite = expected.lse > -math.inf
+    torch.testing.assert_close(got.lse[finite], expected.lse[finite], atol=1e-4, rtol=1e-5)
+
+
+@settings(deadline=None, max_examples=80)
+@given(case=ragged_cases(), layout=st.sampled_from(["plain", "block", "row"]), check=st.booleans())
+def test_cpp_ragged_attention_matches_the_reference_on_arena_layouts(
+    case: RaggedCase, layout, check
+):
+    """The C++ kernel against the reference with and without the argument checks: head groups
+    with short members, junk (NaN, inf, any slot) where no member reads, random splits, and
+    pools whose blocks or rows are strided."""
+    key_cache, value_cache = interleaved(case.key_cache, case.value_cache, layout)
+    args = (case.query, key_cache, value_cache, *case.args()[3:])
+    expected = reference_ragged(*case.args(), **case.kwargs())
+    got = cpp_ragged()(*args, **case.kwargs(), check=check)
+    assert_ragged_close(got, expected, case.query.dtype)
+
+
+def model_sized_case(head_dim: int, dtype: torch.dtype, seed: int = 0) -> RaggedCase:
+    """Three KV heads of three query heads in groups of two (one short), two sequences of 60
+    tokens whose heads keep different shares, the second group split in three."""
+    gen = torch.Generator().manual_seed(seed)
+    members = torch.tensor([[2, 0], [1, -1]])
+    kept = torch.rand((2, 3, 60), generator=gen) < torch.tensor([0.9, 0.3, 0.6])[None, :, None]
+    keys = torch.randn((2, 60, 3, head_dim), generator=gen).to(dtype)
+    values = torch.randn((2, 60, 3, head_dim), generator=gen).to(dtype)
+    key_cache, value_cache, slots, lengths = ragged_tables(keys, values, kept, members, 16, gen)
+    work = torch.tensor([[1, 2, 3], [0, 0, 1], [1, 0, 3], [1, 1, 3]])
+    query = torch.randn((2, 1, 9, head_dim), generator=gen).to(dtype)
+    return RaggedCase(
+        query, key_cache, value_cache, slots, lengths, members, work, keys, values, kept
+    )
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 24])  # the kernel's specialised widths, and not
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_ragged_attention_at_model_head_dims(head_dim, dtype):
+    case = model_sized_case(head_dim, dtype)
+    expected = reference_ragged(*case.args())
+    assert_ragged_close(cpp_ragged()(*case.args()), expected, dtype)
+
+
+def test_cpp_ragged_attention_takes_a_query_in_another_dtype_than_the_pool():
+    """The spec computes in float32 whatever the dtypes; the compiled kernel takes this one."""
+    case = model_sized_case(16, torch.bfloat16)
+    args = (case.query.float(), *case.args()[1:])
+    assert_ragged_close(cpp_ragged()(*args), reference_ragged(*args), torch.bfloat16)
+
+
+UNCHECKED_BAD = {
+    "a read slot beyond the pool": (
+        lambda c: {"slots": c.slots.index_put((torch.tensor([0]),) * 3, torch.tensor(10**6))},
+        "a slot names a row outside the pool",
+    ),
+    "a -1 slot where a member reads": (
+        lambda c: {"slots": c.slots.index_put((torch.tensor([0]),) * 3, torch.tensor(-1))},
+        "a slot names a row outside the pool",
+    ),
+    "a length beyond the table": (
+        lambda c: {"lengths": c.lengths + c.slots.shape[2]},
+        "lengths holds",
+    ),
+    "a group out of range": (
+        lambda c: {"work": torch.tensor([[0, 0, 1], [2, 0, 1]])},
+        "work row 1 is \\(2, 0, 1\\)",
+    ),
+    "a part beyond its parts": (
+        lambda c: {"work": torch.tensor([[0, 0, 1], [1, 1, 1]])},
+        "work row 1 is \\(1, 1, 1\\)",
+    ),
+    "a head beyond the count": (
+        lambda c: {"members": torch.tensor([[3, 0], [1, -1]])},
+        "members names KV head 3",
+    ),
+    "a member below -1": (
+        lambda c: {"members": torch.tensor([[2, 0], [1, -2]])},
+        "members must be -1 or a KV head",
+    ),
+    "lengths of the wrong shape": (
+        lambda c: {"lengths": c.lengths[:, :1]},
+        "lengths must be",
+    ),
+}
+
+
+@pytest.mark.parametrize("bad", sorted(UNCHECKED_BAD))
+def test_cpp_ragged_attention_refuses_what_it_would_read_out_of_bounds_even_unchecked(bad):
+    """``check=False`` skips the wrapper's checks; the kernel still refuses what would make it
+    read outside a tensor, with the argument named, and leaves the pools as they were."""
+    case = model_sized_case(8, torch.float32)
+    change, message = UNCHECKED_BAD[bad]
+    names = ["query", "key_cache", "value_cache", "slots", "lengths", "members", "work"]
+    args = dict(zip(names, case.args(), strict=True)) | change(case)
+    pools = case.key_cache.clone(), case.value_cache.clone()
+    with pytest.raises(RuntimeError, match=message):
+        cpp_ragged()(*args.values(), check=False)
+    assert torch.equal(case.key_cache, pools[0]) and torch.equal(case.value_cache, pools[1])
