@@ -40,6 +40,22 @@ struct Rows {
   int64_t at(int64_t i) const { return strides.row(slots[i]) + offset; }
 };
 
+// One decode token per sequence over pools of the query's dtype: what both attention kernels
+// read (each checks its own tables).
+inline void check_query_and_pools(const at::Tensor& query, const at::Tensor& key_cache,
+                                  const at::Tensor& value_cache) {
+  TORCH_CHECK(query.dim() == 4 && query.size(1) == 1,
+              "query must be [B, 1, H_q, D] (one decode token), got ", query.sizes());
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.dtype() == query.dtype() &&
+                  value_cache.dtype() == query.dtype(),
+              "key_cache and value_cache must match each other and the query's dtype, got ",
+              key_cache.sizes(), " ", key_cache.dtype(), ", ", value_cache.sizes(), " ",
+              value_cache.dtype(), " and ", query.dtype());
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.size(2) > 0 && key_cache.size(3) == query.size(3),
+              "key_cache must be [num_blocks, block_size, H, D] with H > 0 and the query's D = ",
+              query.size(3), ", got ", key_cache.sizes());
+}
+
 // Pass 1: scores[g * n + i] = q_g . key_i for the G query heads (q [G, D], already scaled) that
 // share the n keys. One pass over the keys, each read once for the G heads; a key in bf16/fp16
 // is widened once into `row` [D].
@@ -74,15 +90,18 @@ inline void score_rows(const float* __restrict__ q, int64_t group, const scalar_
 
 // Pass 2, per query head g: the softmax of its scores [n] and the weighted sum of the n values,
 // into out + g * head_dim [D] and lse[g] (natural log).
-// No rows, or every score -inf (infinite keys): zeros and -inf, attention over nothing. Each
-// head's D accumulators stay in registers (one pass for all G heads would hold G * D of them).
+// No rows, or every score -inf (infinite keys): zeros and -inf, attention over nothing. A NaN
+// score (a NaN query, or a NaN key it reads) makes lse NaN and out `nan_out` (the caller's spec
+// says which: the paged rule keeps out 0, a ragged split's state is NaN), never a result that
+// looks valid. Each head's D accumulators stay in registers (one pass for all G heads would
+// hold G * D of them).
 //
 // With `weights` (else nullptr): head g's probabilities, written at weights + g * weights_stride
 // + columns[i] (the row's column in the caller's table); cells of no row are left as they are.
 template <typename scalar_t, int64_t kHeadDim>
 inline void softmax_values(std::vector<float>& scores, int64_t group, const scalar_t* values,
                            const Rows& value_rows, int64_t runtime_head_dim,
-                           std::vector<float>& acc, float* out, float* lse,
+                           std::vector<float>& acc, float* out, float* lse, float nan_out,
                            float* weights = nullptr, const int64_t* columns = nullptr,
                            int64_t weights_stride = 0) {
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : runtime_head_dim;
@@ -92,8 +111,15 @@ inline void softmax_values(std::vector<float>& scores, int64_t group, const scal
     float* out_row = out + g * head_dim;
     float* __restrict__ p = scores.data() + g * n;
     float top = minus_inf;
+    bool any_nan = false;
     for (int64_t i = 0; i < n; ++i) {
       top = p[i] > top ? p[i] : top;
+      any_nan |= std::isnan(p[i]);
+    }
+    if (any_nan) {
+      std::fill(out_row, out_row + head_dim, nan_out);
+      lse[g] = std::numeric_limits<float>::quiet_NaN();
+      continue;
     }
     if (top == minus_inf) {
       std::fill(out_row, out_row + head_dim, 0.0f);

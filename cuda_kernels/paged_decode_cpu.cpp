@@ -12,7 +12,7 @@
 // <= the query's position and, with a window, >= the first visible position; without positions
 // (decode_attention over a live view) every slot >= 0 is. Scores are
 // (q . k) * scale in float32; lse is the natural log-sum-exp of the visible scores (-inf, and an
-// output of zeros, when none is visible). Slots outside the pool are refused (a read outside
+// output of zeros, when none is visible; NaN, and zeros, when a score is NaN). Slots outside the pool are refused (a read outside
 // its memory), never read. Asked for, the weights are [B, H_q, 1, T] float32: each visible
 // key's probability at its column of the table, 0 elsewhere (what eviction policies read).
 #include <ATen/ATen.h>
@@ -95,7 +95,7 @@ void decode_rows(const scalar_t* query, const scalar_t* keys, const scalar_t* va
                                                       row, scores);
       kvstack_kernels::softmax_values<scalar_t, kHeadDim>(
           scores, group, values, value_rows, head_dim, acc, out + head * head_dim, lse + head,
-          weights == nullptr ? nullptr : weights + head * width, columns.data(), width);
+          /*nan_out=*/0.0f, weights == nullptr ? nullptr : weights + head * width, columns.data(), width);
     }
   });
 }
@@ -108,17 +108,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> paged_decode(const at::Tensor& qu
                                                 const at::Tensor& query_positions,
                                                 const at::Tensor& first_visible, double scale,
                                                 bool return_weights) {
-  TORCH_CHECK(query.dim() == 4 && query.size(1) == 1,
-              "query must be [B, 1, H_q, D] (one decode token), got ", query.sizes());
-  TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.dtype() == query.dtype() &&
-                  value_cache.dtype() == query.dtype(),
-              "key_cache and value_cache must match each other and the query's dtype, got ",
-              key_cache.sizes(), " ", key_cache.dtype(), ", ", value_cache.sizes(), " ",
-              value_cache.dtype(), " and ", query.dtype());
+  kvstack_kernels::check_query_and_pools(query, key_cache, value_cache);
   const int64_t batch = query.size(0), q_heads = query.size(2), head_dim = query.size(3);
   const int64_t kv_heads = key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) == head_dim && q_heads % kv_heads == 0,
-              "query heads must be a multiple of the pool's KV heads, with one head_dim, got ",
+  TORCH_CHECK(q_heads % kv_heads == 0, "query heads must be a multiple of the pool's KV heads, got ",
               query.sizes(), " and ", key_cache.sizes());
   // Empty key_positions: every slot is visible (decode_attention's live view); then
   // query_positions and first_visible are not read.

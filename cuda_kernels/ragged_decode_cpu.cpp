@@ -7,7 +7,8 @@
 //      every member head only below its own length gives that head's query heads a partial
 //      state (out, lse) over those keys (cpu_attention.h's two passes, no gather, no padding);
 //   2. each (sequence, KV head) merges the partial states of the rows of its group by
-//      log-sum-exp (kvstack.reference.merge's rule): nothing seen gives zeros and -inf.
+//      log-sum-exp (kvstack.reference.merge's rule): nothing seen gives zeros and -inf, a NaN
+//      state (a NaN query or key read) NaN.
 // Tasks run in parallel over torch's threads (at::parallel_for); with one thread they run in
 // the list's order. Either way the result is the spec's, whatever the splits.
 //
@@ -58,7 +59,11 @@ void split_states(const scalar_t* query, const scalar_t* keys, const scalar_t* v
       const int64_t group = work[w * 3], part = work[w * 3 + 1], parts = work[w * 3 + 2];
       const int64_t* length = lengths + (b * n.groups + group) * h_p;  // [H_p]
       const int64_t used = *std::max_element(length, length + h_p);
-      const int64_t start = part * used / parts, stop = (part + 1) * used / parts;
+      // In 128 bits: part * used overflows 64 for absurd (but allowed) part counts.
+      const auto split_at = [&](int64_t p) {
+        return static_cast<int64_t>(static_cast<__int128>(p) * used / parts);
+      };
+      const int64_t start = split_at(part), stop = split_at(part + 1);
       const int64_t* table = slots + (b * n.groups + group) * n.width;  // [T]
       for (int64_t t = start; t < stop; ++t) {  // cells some member reads
         if (table[t] < 0 || table[t] >= n.pool_rows) {
@@ -87,7 +92,7 @@ void split_states(const scalar_t* query, const scalar_t* keys, const scalar_t* v
                                                         head_dim, row, scores);
         kvstack_kernels::softmax_values<scalar_t, kHeadDim>(
             scores, per_kv, values, value_rows, head_dim, acc, partial_out + state * head_dim,
-            partial_lse + state);
+            partial_lse + state, /*nan_out=*/std::numeric_limits<float>::quiet_NaN());
       }
     }
   });
@@ -109,11 +114,18 @@ void merge_states(const float* partial_out, const float* partial_lse,
           return ((b * n.work_rows + owner.first) * n.members + owner.second) * per_kv + g;
         };
         float top = minus_inf;
+        bool any_nan = false;
         for (const auto& owner : owners[kv_head]) {
           top = std::max(top, partial_lse[state(owner)]);
+          any_nan |= std::isnan(partial_lse[state(owner)]);
         }
         const int64_t head = b * n.q_heads + kv_head * per_kv + g;
         float* out_row = out + head * head_dim;
+        if (any_nan) {  // a NaN state poisons the merge, as in the reference's
+          std::fill(out_row, out_row + head_dim, std::numeric_limits<float>::quiet_NaN());
+          lse[head] = std::numeric_limits<float>::quiet_NaN();
+          continue;
+        }
         std::fill(out_row, out_row + head_dim, 0.0f);
         if (top == minus_inf) {  // no row saw a key: attention over nothing
           lse[head] = minus_inf;
@@ -148,17 +160,9 @@ std::tuple<at::Tensor, at::Tensor> ragged_decode(const at::Tensor& query,
                                                  const at::Tensor& lengths,
                                                  const at::Tensor& members,
                                                  const at::Tensor& work, double scale) {
-  TORCH_CHECK(query.dim() == 4 && query.size(1) == 1,
-              "query must be [B, 1, H_q, D] (one decode token), got ", query.sizes());
-  TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.dtype() == query.dtype() &&
-                  value_cache.dtype() == query.dtype(),
-              "key_cache and value_cache must match each other and the query's dtype, got ",
-              key_cache.sizes(), " ", key_cache.dtype(), ", ", value_cache.sizes(), " ",
-              value_cache.dtype(), " and ", query.dtype());
+  kvstack_kernels::check_query_and_pools(query, key_cache, value_cache);
   const int64_t batch = query.size(0), q_heads = query.size(2), head_dim = query.size(3);
   const int64_t h_p = key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) == head_dim, "key_cache must have the query's head_dim ",
-              head_dim, ", got ", key_cache.sizes());
   TORCH_CHECK(slots.dim() == 3 && slots.size(0) == batch, "slots must be [B, G, T], got ",
               slots.sizes());
   const int64_t groups = slots.size(1), width = slots.size(2);

@@ -405,3 +405,70 @@ def test_cpp_ragged_attention_refuses_what_it_would_read_out_of_bounds_even_unch
     with pytest.raises(RuntimeError, match=message):
         cpp_ragged()(*args.values(), check=False)
     assert torch.equal(case.key_cache, pools[0]) and torch.equal(case.value_cache, pools[1])
+
+
+def test_cpp_attention_keeps_a_nan_query_nan_as_the_reference_does():
+    """A NaN query head (an fp16 overflow upstream) must not come back looking valid: the paged
+    rule gives it lse NaN (out 0, weights 0), the ragged rule NaN out and lse for a head that
+    read keys; the other heads are untouched."""
+    gen = torch.Generator().manual_seed(3)
+    key_cache, value_cache = torch.randn(4, 4, 2, 8, generator=gen), torch.randn(4, 4, 2, 8)
+    slots = torch.arange(12).view(1, 12)
+    positions = torch.arange(12).view(1, 12)
+    query = torch.randn(1, 1, 4, 8, generator=gen)
+    query[0, 0, 1] = math.nan  # KV head 0's second query head
+    args = (query, key_cache, value_cache, slots, positions, positions[:, -1:])
+    expected = reference_paged_attention(*args, return_weights=True)
+    got = cpp_paged()(*args, return_weights=True)
+    for name in ("out", "lse", "weights"):
+        torch.testing.assert_close(getattr(got, name), getattr(expected, name), equal_nan=True)
+    assert torch.isnan(got.lse[0, 0, 1]) and not torch.isnan(got.lse[0, 0, [0, 2, 3]]).any()
+
+    case = model_sized_case(8, torch.float32)
+    case.query[1, 0, 4] = math.nan  # sequence 1, KV head 1 (a group of its own, three splits)
+    expected = reference_ragged(*case.args())
+    got = cpp_ragged()(*case.args())
+    torch.testing.assert_close(got.out, expected.out, equal_nan=True)
+    torch.testing.assert_close(got.lse, expected.lse, equal_nan=True)
+    assert torch.isnan(got.out[1, 0, 4]).all() and torch.isnan(got.lse[1, 0, 4])
+    assert torch.isnan(got.lse).sum() == 1
+
+
+def test_cpp_ragged_attention_hands_a_pool_of_strided_heads_to_the_compiled_kernel():
+    """Slots whose H_p x D values are not one row (a view of every other D): not the kernel's
+    layout (it would refuse it), so the compiled kernel answers, with the reference's result."""
+    case = model_sized_case(8, torch.float32)
+    wide = torch.randn(*case.key_cache.shape[:3], 16)
+    wide[..., ::2] = case.key_cache
+    key_cache = wide[..., ::2]  # stride(3) == 2
+    assert key_cache.stride(3) != 1
+    args = (case.query, key_cache, *case.args()[2:])
+    assert_ragged_close(cpp_ragged()(*args), reference_ragged(*case.args()), torch.float32)
+
+
+@pytest.mark.parametrize("weights", [False, True])
+def test_the_cpp_decode_ops_fake_kernels_match_their_schemas(weights):
+    """The fake (meta) kernels that torch.compile traces with give the real kernels' shapes and
+    dtypes (``torch.library.opcheck``: the schema and the fake tensor checks)."""
+    cpp_paged(), cpp_ragged()  # builds and registers the library, or skips
+    library = torch.ops.kvstack_cpu
+    gen = torch.Generator().manual_seed(1)
+    key_cache, value_cache = torch.randn(3, 4, 2, 8, generator=gen), torch.randn(3, 4, 2, 8)
+    slots = torch.arange(10).view(2, 5)
+    positions = torch.arange(10).view(2, 5) % 5
+    empty = torch.empty(0, dtype=torch.long)
+    paged_args = (
+        torch.randn(2, 1, 4, 8),
+        key_cache,
+        value_cache,
+        slots,
+        positions,
+        torch.tensor([[4], [3]]),
+        empty,
+        0.5,
+        weights,
+    )
+    checks = ("test_schema", "test_faketensor")
+    torch.library.opcheck(library.paged_decode.default, paged_args, test_utils=checks)
+    case = model_sized_case(8, torch.float32)
+    torch.library.opcheck(library.ragged_decode.default, (*case.args(), 0.5), test_utils=checks)
