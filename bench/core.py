@@ -11,6 +11,11 @@ medians into ratios. Every ratio compares two sides of one run on one workload:
         the token table, and SDPA's fused kernel)
     decode_attention.{several_kv_heads,one_kv_head}.compiled_over_reference             (record)
     decode_attention.{several_kv_heads,one_kv_head}.compiled_over_contiguous_sdpa        <= 1.15
+    {paged_attention,decode_attention.{path}}.cpp_over_compiled   t_compiled / t_cpp   (record)
+    {paged_attention,decode_attention.{path}}.cpp_over_contiguous_sdpa   t_cpp / t_sdpa  (record)
+        (the ``cpp`` backend's C++ decode kernel, where a compiler builds it, on the same inputs)
+    ragged_decode_attention.cpp_over_compiled    t_compiled / t_cpp, HeadwiseCache's step (record)
+    ragged_decode_attention.compiled_over_reference   t_reference / t_compiled            (record)
     repack.bandwidth_fraction    (bytes/s of copy_slots) / (bytes/s of a plain copy)      >= 0.7
         (copy_slots on the backend a repack runs on CPU: the C++ one where it builds;
         ``repack.compiled_bandwidth_fraction`` records the torch.compile one)
@@ -126,6 +131,27 @@ def _figures(benchmark_json: dict, quick: bool) -> tuple[dict[str, Figure], dict
             f"context {ctx}",
         )
 
+    def add_cpp(prefix: str, what: str, op_path: tuple[str, str], ctx: int, suffix: str) -> None:
+        # Only where the cpp backend built (no compiler: its benchmarks were skipped).
+        t = {impl: medians.get((*op_path, impl, ctx)) for impl in ALL_IMPLEMENTATIONS}
+        if t["cpp"] is None:
+            return
+        add(
+            f"{prefix}.cpp_over_compiled{suffix}",
+            t["compiled"] / t["cpp"],
+            "ratio",
+            f"speed-up of the C++ kernel (cpp backend) over compiled {what}, context {ctx}",
+        )
+        if t["contiguous_sdpa"] is not None:
+            add(
+                f"{prefix}.cpp_over_contiguous_sdpa{suffix}",
+                t["cpp"] / t["contiguous_sdpa"],
+                "ratio",
+                f"time of the C++ kernel's {what} / SDPA on the same tokens laid out "
+                f"contiguously, context {ctx}",
+            )
+        add(f"{prefix}.cpp_ms{suffix}", t["cpp"], "ms", f"median, context {ctx}")
+
     paged_contexts = sorted({k[3] for k in medians if k[0] == "paged_attention"})
     main = paged_contexts[-1] if quick else 4096
     for ctx in paged_contexts:
@@ -133,6 +159,11 @@ def _figures(benchmark_json: dict, quick: bool) -> tuple[dict[str, Figure], dict
         if ctx == main:  # the headline figures, unsuffixed
             add_ratios("paged_attention", "paged_attention", t, ctx, "")
         add_ratios("paged_attention", "paged_attention", t, ctx, f".ctx{ctx}")
+        if ctx == main:
+            add_cpp("paged_attention", "paged_attention", ("paged_attention", "paged"), ctx, "")
+        add_cpp(
+            "paged_attention", "paged_attention", ("paged_attention", "paged"), ctx, f".ctx{ctx}"
+        )
         for impl, ms in t.items():
             add(f"paged_attention.{impl}_ms.ctx{ctx}", ms, "ms", f"median, context {ctx}")
 
@@ -141,8 +172,32 @@ def _figures(benchmark_json: dict, quick: bool) -> tuple[dict[str, Figure], dict
         t = {impl: medians[("decode_attention", path, impl, ctx)] for impl in IMPLEMENTATIONS}
         what = f"decode_attention ({path.replace('_', ' ')} per table)"
         add_ratios(f"decode_attention.{path}", what, t, ctx, "")
+        add_cpp(f"decode_attention.{path}", what, ("decode_attention", path), ctx, "")
         for impl, ms in t.items():
             add(f"decode_attention.{path}.{impl}_ms", ms, "ms", f"median, context {ctx}")
+
+    ((ragged_ctx,),) = [{k[3] for k in medians if k[0] == "ragged_decode_attention"}]
+    ragged = {
+        impl: medians[key]
+        for impl in ALL_IMPLEMENTATIONS
+        if (key := ("ragged_decode_attention", "headwise", impl, ragged_ctx)) in medians
+    }
+    what = "ragged_decode_attention (HeadwiseCache's decode step, one table per KV head)"
+    add(
+        "ragged_decode_attention.compiled_over_reference",
+        ragged["reference"] / ragged["compiled"],
+        "ratio",
+        f"speed-up of compiled {what} over the reference, prompt {ragged_ctx}",
+    )
+    if "cpp" in ragged:
+        add(
+            "ragged_decode_attention.cpp_over_compiled",
+            ragged["compiled"] / ragged["cpp"],
+            "ratio",
+            f"speed-up of the C++ kernel (cpp backend) over compiled {what}, prompt {ragged_ctx}",
+        )
+    for impl, ms in ragged.items():
+        add(f"ragged_decode_attention.{impl}_ms", ms, "ms", f"median, prompt {ragged_ctx}")
 
     ((repack_ctx,),) = [{k[3] for k in medians if k[0] == "copy_slots"}]
     copy_ms = medians[("copy_slots", "repack", "copy_slots", repack_ctx)]
@@ -173,6 +228,7 @@ def _figures(benchmark_json: dict, quick: bool) -> tuple[dict[str, Figure], dict
         "paged_attention": {**paged, "contexts": paged_contexts},
         "decode_attention.several_kv_heads": infos[("decode_attention", "several_kv_heads")],
         "decode_attention.one_kv_head": infos[("decode_attention", "one_kv_head")],
+        "ragged_decode_attention": infos[("ragged_decode_attention", "headwise")],
         "repack": repack_info,
         "rounds": {b["name"]: b["stats"]["rounds"] for b in benchmark_json["benchmarks"]},
         "timer": "pytest-benchmark pedantic, 1 iteration per round, median; GC disabled",
@@ -180,7 +236,8 @@ def _figures(benchmark_json: dict, quick: bool) -> tuple[dict[str, Figure], dict
     return figures, workload
 
 
-IMPLEMENTATIONS = ("reference", "compiled", "contiguous_sdpa")
+IMPLEMENTATIONS = ("reference", "compiled", "contiguous_sdpa")  # always measured
+ALL_IMPLEMENTATIONS = (*IMPLEMENTATIONS, "cpp")  # cpp: where a compiler builds it
 PATHS = ("several_kv_heads", "one_kv_head")  # decode_attention's two code paths
 
 
@@ -240,6 +297,33 @@ def _sections(figures: dict[str, Figure], workload: dict) -> list[str]:
             f"{f['reference']:.3f} | {f['compiled']:.3f} | {f['contiguous_sdpa']:.3f} | "
             f"{f['reference'] / f['compiled']:.1f} | {f['compiled'] / f['contiguous_sdpa']:.2f} |"
         )
+    g = workload["ragged_decode_attention"]
+    cpp = {
+        name: figures[name].value
+        for name in (
+            "paged_attention.cpp_ms",
+            *(f"decode_attention.{path}.cpp_ms" for path in PATHS),
+            "ragged_decode_attention.cpp_ms",
+        )
+        if name in figures
+    }
+    lines += [
+        "",
+        f"`ragged_decode_attention`: {g['batch']} sequences of a {g['context']}-token prompt "
+        f"whose {g['num_kv_heads']} KV heads keep {g['kept_tokens']} tokens in tables of their "
+        f"own ({g['num_query_heads'] // g['num_kv_heads']} query heads each, head_dim "
+        f"{g['head_dim']}), {g['work_rows']} work rows for {g['workers']} worker(s): reference "
+        f"{figures['ragged_decode_attention.reference_ms'].value:.3f} ms, compiled "
+        f"{figures['ragged_decode_attention.compiled_ms'].value:.3f} ms.",
+        "",
+        "The `cpp` backend's C++ kernels (CPU tensors) on the same inputs: "
+        + (
+            ", ".join(f"`{name.removesuffix('.cpp_ms')}` {ms:.3f} ms" for name, ms in cpp.items())
+            if cpp
+            else "not built here (no compiler), so not measured"
+        )
+        + ".",
+    ]
     r = workload["repack"]
     lines += [
         "",
@@ -283,6 +367,16 @@ def readme_tables(results: dict) -> dict[str, str]:
     names = [
         *TARGETS,
         *(f"decode_attention.{path}.compiled_over_reference" for path in PATHS),
+        *(
+            name
+            for name in (
+                "paged_attention.cpp_over_compiled",
+                *(f"decode_attention.{path}.cpp_over_compiled" for path in PATHS),
+                "ragged_decode_attention.cpp_over_compiled",
+                "ragged_decode_attention.compiled_over_reference",
+            )
+            if name in f
+        ),
     ]
     contexts = w["paged_attention"]["contexts"]
     per_context = [
@@ -299,13 +393,23 @@ def readme_tables(results: dict) -> dict[str, str]:
             + " |"
         )
     p, one, r = w["paged_attention"], w["decode_attention.one_kv_head"], w["repack"]
+    g = w.get("ragged_decode_attention")
     workload = (
         f"Workload: fp32, {p['threads']} torch thread(s); `paged_attention` and "
         f"`decode_attention` (several KV heads) batch {p['batch']}, {p['num_query_heads']} "
         f"query / {p['num_kv_heads']} KV heads, head_dim {p['head_dim']}, block size "
         f"{p['block_size']}; `decode_attention` (one KV head) {one['batch']} tables x "
         f"{one['context']} tokens, {one['num_query_heads']} query heads, head_dim "
-        f"{one['head_dim']}; repack: {r['batch']} tables x {r['context']} tokens, half evicted, "
-        f"{r['bytes_moved'] / 1e6:.3g} MB moved. Medians of pytest-benchmark rounds."
+        f"{one['head_dim']}; "
+        + (
+            f"`ragged_decode_attention` {g['batch']} sequences, {g['num_kv_heads']} KV heads "
+            f"keeping {g['kept_tokens']} of {g['context']} prompt tokens in tables of their own, "
+            f"{g['num_query_heads']} query heads, head_dim {g['head_dim']}; "
+            if g
+            else ""
+        )
+        + f"repack: {r['batch']} tables x {r['context']} tokens, half evicted, "
+        f"{r['bytes_moved'] / 1e6:.3g} MB moved. `cpp`: the C++ kernels of the cpp backend. "
+        "Medians of pytest-benchmark rounds."
     )
     return {"core": "\n\n".join([figure_table(results, names), "\n".join(per_context), workload])}

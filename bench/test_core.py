@@ -7,13 +7,17 @@ results (``bench/core.py``); ``pytest bench/test_core.py`` runs it by hand (with
 
 Workloads (``workloads.py``), fp32, one decode step over shuffled token tables:
 
-* ``paged_attention`` — the registered op, reference and compiled, against
+* ``paged_attention`` — the registered op, reference, compiled and the C++ decode kernel
+  (``cpp``, where it builds), against
   ``scaled_dot_product_attention`` on the same tokens laid out contiguously, at contexts of
   1k/4k/8k tokens (batch 8, 32 query / 8 KV heads, head_dim 128);
 * ``decode_attention`` — the registered op, on each of its code paths: several KV heads per
   table (the compiled decode kernel; the same shape at 4k) and one KV head per table (eager
   gathers + ``bmm``; SmolLM2's per-head tables under H2O at 50 %: 3 tables x 650 tokens, 3
   query heads, head_dim 64), each against the reference and contiguous SDPA;
+* ``ragged_decode_attention`` — ``HeadwiseCache``'s decode step: 8 sequences of a 1300-token
+  prompt whose three KV heads keep 60, 30 and 15 % of it in tables of their own (SmolLM2's
+  heads: 3 query heads each, head_dim 64), from Tangram's static work list for one worker;
 * the copy of a forced repack after 50 % random eviction (``copy_slots`` on the backend a repack
   uses on CPU, the C++ one where it builds, and the compiled one for the record) against a
   plain contiguous copy of the same bytes.
@@ -32,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from kvstack import ops
-from kvstack.bench.workloads import CORE_SHAPE, Shape, build_decode, build_repack
+from kvstack.bench.workloads import CORE_SHAPE, Shape, build_decode, build_ragged, build_repack
+from kvstack.errors import BackendUnavailable
 
 
 def quick() -> bool:
@@ -104,7 +109,7 @@ def _bench_attention(benchmark, op: str, path: str, implementation: str, w, args
         call = sdpa
         got, want = sdpa().transpose(1, 2), reference(*args).out  # [B, 1, H_q, D]
     else:
-        fn = ops.get(op, implementation)
+        fn = _implementation(op, implementation)
         call = lambda: fn(*args)  # noqa: E731
         got = fn(*args).out
         want = sdpa().transpose(1, 2) if implementation == "reference" else reference(*args).out
@@ -130,7 +135,16 @@ def _decode(context: int, shape: Shape):
     return _decode_workloads[key]
 
 
-IMPLEMENTATIONS = ["reference", "compiled", "contiguous_sdpa"]
+IMPLEMENTATIONS = ["reference", "compiled", "cpp", "contiguous_sdpa"]
+
+
+def _implementation(op: str, backend: str):
+    """The registered ``op`` on ``backend``; a backend that did not load here (no compiler for
+    ``cpp``) is skipped with its reason, and its figures are left out."""
+    try:
+        return ops.get(op, backend)
+    except BackendUnavailable as why:
+        pytest.skip(str(why))
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -150,6 +164,61 @@ def test_decode_attention(benchmark, implementation, path):
     w = _decode(context, shape)
     args = (w.query, w.pool.key, w.pool.value, w.slots)  # a live view: every slot visible
     _bench_attention(benchmark, "decode_attention", path, implementation, w, args)
+
+
+# --------------------------------------------------------------------- ragged_decode_attention
+RAGGED_SHAPE = Shape(batch=8, num_query_heads=9, num_kv_heads=3, head_dim=64)
+QUICK_RAGGED = Shape(batch=2, num_query_heads=3, num_kv_heads=3, head_dim=16)
+RAGGED_CONTEXT = 1300
+
+
+def _dense_ragged(w) -> torch.Tensor:
+    """Each (sequence, KV head)'s kept tokens gathered and attended by SDPA: [B, 1, H_q, D]."""
+    b, h_q, h_kv, d = w.query.shape[0], w.query.shape[2], len(w.members), w.query.shape[3]
+    per_kv = h_q // h_kv
+    rows_k, rows_v = w.key_cache.view(-1, d), w.value_cache.view(-1, d)  # [S, D]
+    out = torch.empty_like(w.query)
+    for seq in range(b):
+        for group, head in enumerate(w.members[:, 0].tolist()):
+            table = w.slots[seq, group, : int(w.lengths[seq, group, 0])]
+            heads = slice(head * per_kv, (head + 1) * per_kv)
+            q = w.query[seq, 0, heads][:, None]  # [per_kv, 1, D]
+            out[seq, 0, heads] = F.scaled_dot_product_attention(
+                q, rows_k[table][None], rows_v[table][None]
+            )[:, 0]
+    return out
+
+
+@pytest.mark.parametrize("implementation", ["reference", "compiled", "cpp"])
+def test_ragged_decode_attention(benchmark, implementation):
+    _decode_workloads.clear()
+    shape, context = (QUICK_RAGGED, 64) if quick() else (RAGGED_SHAPE, RAGGED_CONTEXT)
+    w = build_ragged(context, shape)
+    fn = _implementation("ragged_decode_attention", implementation)
+    reference = ops.get("ragged_decode_attention", "reference")
+    want = _dense_ragged(w) if implementation == "reference" else reference(*w.args()).out
+    got = fn(*w.args()).out
+    assert torch.isfinite(got).all(), f"ragged_decode_attention {implementation}: non-finite"
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    benchmark.extra_info.update(
+        _info(
+            shape,
+            context,
+            op="ragged_decode_attention",
+            path="headwise",
+            implementation=implementation,
+            budgets=list(w.budgets),
+            kept_tokens=w.lengths[0, :, 0].tolist(),
+            work_rows=w.work.shape[0],
+            workers=w.workers,
+        )
+    )
+    benchmark.pedantic(
+        lambda: fn(*w.args()),
+        rounds=_rounds(implementation),
+        warmup_rounds=WARMUP_ROUNDS,
+        iterations=1,
+    )
 
 
 # --------------------------------------------------------------------------- repack copy

@@ -13,16 +13,23 @@ sequence's tokens are evicted (vToken token-level eviction) and ``plan_repack(fo
 plans each table; the plans' moves are concatenated into one ``copy_slots`` call (they name
 disjoint slots of one pool, so one call is as valid as eight). The baseline is a plain
 contiguous ``dst.copy_(src)`` of exactly as many bytes: moved rows x H_kv x D x itemsize x 2.
+
+Ragged workload (``build_ragged``): one decode step of ``HeadwiseCache``'s layout, B sequences
+whose KV heads each keep ``ceil(budget * context)`` tokens in a table of their own (head groups of
+one, sorted by budget), the tables' slots a random permutation of one pool, and Tangram's
+ahead-of-time work list for ``workers`` workers: the arguments of ``ragged_decode_attention``.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
 import torch
 
 from kvstack.errors import InvalidArgumentError
+from kvstack.head_groups import group_heads, plan_ahead_of_time, work_list
 from kvstack.reference.block_pool import BlockPool
 from kvstack.reference.checks import check_positive_int
 from kvstack.reference.repack import RepackPlan, plan_repack
@@ -205,4 +212,85 @@ def build_repack(
         dst_slots=dst_slots,
         plain_src=plain_src,
         plain_dst=torch.empty_like(plain_src),
+    )
+
+
+# A SmolLM2 layer's three KV heads at budgets like its calibrated profile's spread (ratio 0.25:
+# mean 0.31, heads from about 0.15 to 0.6 of the prompt).
+RAGGED_BUDGETS = (0.6, 0.3, 0.15)
+
+
+@dataclass
+class RaggedWorkload:
+    """One decode step over per-head tables (``HeadwiseCache``'s layout): ``args()`` are
+    ``ragged_decode_attention``'s positional arguments."""
+
+    shape: Shape
+    context: int
+    budgets: tuple[float, ...]
+    workers: int
+    query: torch.Tensor  # [B, 1, H_q, D]
+    key_cache: torch.Tensor  # [num_blocks, block_size, 1, D]
+    value_cache: torch.Tensor
+    slots: torch.Tensor  # [B, G, T], -1 past each head's length
+    lengths: torch.Tensor  # [B, G, 1]
+    members: torch.Tensor  # [G, 1]: the KV head of each group, highest budget first
+    work: torch.Tensor  # [W, 3]
+
+    def args(self) -> tuple[torch.Tensor, ...]:
+        return (
+            self.query,
+            self.key_cache,
+            self.value_cache,
+            self.slots,
+            self.lengths,
+            self.members,
+            self.work,
+        )
+
+
+def build_ragged(
+    context: int,
+    shape: Shape,
+    budgets: tuple[float, ...] = RAGGED_BUDGETS,
+    *,
+    workers: int = 1,
+    seed: int = 0,
+) -> RaggedWorkload:
+    """The ragged workload (see the module docstring): KV head h keeps ``ceil(budgets[h] *
+    context)`` tokens."""
+    if len(budgets) != shape.num_kv_heads:
+        raise InvalidArgumentError(
+            f"budgets must give each of the shape's {shape.num_kv_heads} KV heads one budget, "
+            f"got {len(budgets)}"
+        )
+    generator = torch.Generator().manual_seed(seed)
+    groups = group_heads([list(budgets)], 1, "sorted")[0]
+    members = torch.tensor([group.heads for group in groups])  # [G, 1]
+    work = torch.tensor(work_list(plan_ahead_of_time([groups], workers)[0]))
+    kept = [math.ceil(budgets[head] * context) for head in members[:, 0].tolist()]
+    batch, width, block = shape.batch, max(kept), shape.block_size
+    num_blocks = -(-batch * len(groups) * width // block) + 1
+    pool_shape = (num_blocks, block, 1, shape.head_dim)
+    key_cache = torch.randn(pool_shape, generator=generator, dtype=shape.dtype)
+    value_cache = torch.randn(pool_shape, generator=generator, dtype=shape.dtype)
+    order = torch.randperm(num_blocks * block, generator=generator)  # scattered tables
+    slots = order[: batch * len(groups) * width].view(batch, len(groups), width).clone()
+    lengths = torch.tensor(kept).view(1, -1, 1).expand(batch, -1, 1).contiguous()  # [B, G, 1]
+    slots[torch.arange(width) >= lengths] = -1  # past each head's kept tokens
+    query = torch.randn(
+        batch, 1, shape.num_query_heads, shape.head_dim, generator=generator, dtype=shape.dtype
+    )
+    return RaggedWorkload(
+        shape,
+        context,
+        budgets,
+        workers,
+        query,
+        key_cache,
+        value_cache,
+        slots,
+        lengths,
+        members,
+        work,
     )

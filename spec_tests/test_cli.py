@@ -65,13 +65,27 @@ def test_bench_core_quick_writes_results_with_headline_names_from_pytest_benchma
     assert figures["decode_attention.one_kv_head.compiled_over_contiguous_sdpa"] == pytest.approx(
         ratio
     )
-    # Both code paths of the registered decode_attention op were benchmarked.
+    # Both code paths of the registered decode_attention op were benchmarked, and the ragged
+    # decode attention of HeadwiseCache's layout.
     assert {b["extra_info"]["path"] for b in benchmarks} == {
         "paged",
         "several_kv_heads",
         "one_kv_head",
+        "headwise",
         "repack",
     }
+    # The cpp backend's kernels where it builds (a compiler is on this machine's PATH), on the
+    # same inputs as the others.
+    if "cpp" in ops.operations()["ragged_decode_attention"].implementations:
+        ragged = {
+            b["extra_info"]["implementation"]: b["stats"]["median"]
+            for b in benchmarks
+            if b["extra_info"]["op"] == "ragged_decode_attention"
+        }
+        assert figures["ragged_decode_attention.cpp_over_compiled"] == pytest.approx(
+            ragged["compiled"] / ragged["cpp"]
+        )
+        assert "paged_attention.cpp_over_compiled" in figures
     assert results["workload"]["decode_attention.one_kv_head"]["num_kv_heads"] == 1
     assert results["workload"]["decode_attention.several_kv_heads"]["num_kv_heads"] > 1
 

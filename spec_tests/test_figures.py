@@ -18,7 +18,8 @@ from kvstack.bench.suite import REPO_ROOT, Figure, Measured, provenance
 IMPLEMENTATIONS = {"reference": 10.0, "compiled": 1.0, "contiguous_sdpa": 2.0}  # ms
 
 
-def _benchmark_json() -> dict:
+def _benchmark_json(cpp: bool = True) -> dict:
+    """Known medians; ``cpp``: with the cpp backend's benchmarks (a machine with a compiler)."""
     benchmarks = []
 
     def add(op, path, implementation, context, ms, **more):
@@ -33,12 +34,25 @@ def _benchmark_json() -> dict:
             }
         )
 
+    timed = {**IMPLEMENTATIONS, **({"cpp": 0.25} if cpp else {})}
     for context in (1024, 4096, 8192):
-        for implementation, ms in IMPLEMENTATIONS.items():
+        for implementation, ms in timed.items():
             add("paged_attention", "paged", implementation, context, ms * context / 4096)
     for path in ("several_kv_heads", "one_kv_head"):
-        for implementation, ms in IMPLEMENTATIONS.items():
+        for implementation, ms in timed.items():
             add("decode_attention", path, implementation, 4096, ms)
+    for implementation, ms in timed.items():
+        if implementation != "contiguous_sdpa":  # the ragged step has no SDPA twin
+            add(
+                "ragged_decode_attention",
+                "headwise",
+                implementation,
+                1300,
+                3 * ms,
+                kept_tokens=[780, 390, 195],
+                work_rows=3,
+                workers=1,
+            )
     for implementation, ms in (
         ("copy_slots", 4.0),
         ("compiled_copy_slots", 8.0),
@@ -106,6 +120,17 @@ def test_core_ratios_come_from_the_medians():
     assert "cpp backend" in measured["repack.bandwidth_fraction"].description
     assert measured["repack.bandwidth_fraction"].met() is False  # target >= 0.7
     assert measured["paged_attention.compiled_over_reference"].met() is True  # >= 10
+    assert value["paged_attention.cpp_over_compiled"] == pytest.approx(4.0)
+    assert value["paged_attention.cpp_over_contiguous_sdpa"] == pytest.approx(0.125)
+    assert value["decode_attention.one_kv_head.cpp_over_compiled"] == pytest.approx(4.0)
+    assert value["ragged_decode_attention.cpp_over_compiled"] == pytest.approx(4.0)
+    assert value["ragged_decode_attention.compiled_over_reference"] == pytest.approx(10.0)
+
+
+def test_core_figures_leave_out_the_cpp_backend_where_it_did_not_build():
+    measured, _ = core._figures(_benchmark_json(cpp=False), quick=False)
+    assert not [name for name in measured if "cpp" in name]
+    assert "ragged_decode_attention.compiled_over_reference" in measured
 
 
 def test_render_fills_the_block_and_check_passes_on_a_current_readme(tmp_path):
