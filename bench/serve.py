@@ -234,20 +234,41 @@ def largest_request_bytes(model: Any, spec: Any, requests: list[tuple[list[int],
 
 def build_requests(tokenizer: Any, quick: bool) -> list[tuple[list[int], int]]:
     """The trace's requests: prompt ids (slices of one long benchmark prompt) and new tokens."""
-    from kvstack.bench.prompts import build_prompts
-    from kvstack.workloads import draw_trace
-
     count = QUICK_REQUESTS if quick else REQUESTS
     context = QUICK_MAX_CONTEXT if quick else MAX_CONTEXT
     cap = QUICK_MAX_NEW if quick else MAX_NEW
+    requests, _ = trace_requests(tokenizer, count, context, cap, quick=quick)
+    return requests
+
+
+def trace_requests(
+    tokenizer: Any,
+    count: int,
+    max_context: int,
+    max_new: int,
+    *,
+    arrival_rate: float | None = None,
+    quick: bool = False,
+) -> tuple[list[tuple[list[int], int]], list[int]]:
+    """``count`` requests of ``kvstack.workloads.draw_trace`` (ShareGPT-like lengths, contexts
+    up to ``max_context``, outputs capped at ``max_new``) as (prompt ids, new tokens): each
+    prompt a slice of the longest benchmark prompt. With them, the engine step at which each
+    arrives (all 0 unless ``arrival_rate``, requests per step, is given)."""
+    from kvstack.bench.prompts import build_prompts
+    from kvstack.workloads import draw_trace
+
     source = max(build_prompts(tokenizer, quick=quick), key=lambda p: p.num_tokens)
     ids = source.input_ids[0].tolist()
-    requests = []
-    for request in draw_trace(count, seed=TRACE_SEED, max_context=context):
+    requests, arrivals = [], []
+    trace = draw_trace(count, seed=TRACE_SEED, max_context=max_context, arrival_rate=arrival_rate)
+    for request in trace:
         length = max(1, min(request.prompt_tokens, len(ids)))
         offset = (request.request_id * 37) % max(1, len(ids) - length + 1)
-        requests.append((ids[offset : offset + length], max(1, min(request.output_tokens, cap))))
-    return requests
+        requests.append(
+            (ids[offset : offset + length], max(1, min(request.output_tokens, max_new)))
+        )
+        arrivals.append(request.arrival_step)
+    return requests, arrivals
 
 
 def _sequential(model: Any, requests: list[tuple[list[int], int]]) -> tuple[float, list]:

@@ -62,8 +62,12 @@ what the device held at the end (tier bytes plus tails ÷ the KV).
   ``tokens_equal_dynamic``: runs whose tokens equal DynamicCache's.
   ``OVERFLOW_DECODE_TOKENS`` decode steps after the same prompt, medians of the rounds.
 
-Not measured yet (the tiers are not under the engine): the cost-vs-LRU TTFT of a multi-turn
-trace on the engine and the scheduler's bytes per token against FIFO.
+* ``tiers.scheduler_bytes_ratio`` and ``tiers.engine.*``: the engine with a host swap tier
+  (preempted requests' pages copied to the host and back instead of recomputed) under the
+  page-aware, FIFO and round-robin batch rules (``bench/tiers_engine.py`` says how).
+
+Not measured yet (``TieredCache`` is not under the engine): the cost-vs-LRU TTFT of a
+multi-turn trace on the engine.
 """
 
 from __future__ import annotations
@@ -77,15 +81,20 @@ from typing import Any
 
 import torch
 
-from kvstack.bench.suite import OPS_CODE, Figure, Measured, figure_table, format_value, run_suite
+from kvstack.bench.suite import CACHE_CODE, Figure, Measured, figure_table, format_value, run_suite
+from kvstack.bench.tiers_engine import measure_engine
 from kvstack.bench.timing import time_interleaved
 from kvstack.tiers.attention import OBSERVATION_WINDOW
 
 NAME = "tiers"
 DEPENDS_ON = (
-    *OPS_CODE,  # multi_segment_attention, for the merge_segments run
-    "kvstack/hf/attention.py",  # the backend the tiers attention asks the registry for
+    *CACHE_CODE,  # multi_segment_attention, the kvstack attention, the engine's caches
     "kvstack/tiers",
+    "kvstack/serve",  # the engine runs (bench/tiers_engine.py)
+    "kvstack/workloads.py",
+    "kvstack/data",
+    "bench/tiers_engine.py",
+    "bench/serve.py",  # its trace and arena sizing
     "kvstack/models.py",
     "kvstack/arena.py",  # parse_bytes
     "reference/arena.py",
@@ -388,6 +397,9 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         (">=", 1.0),
     )
     scratch.cleanup()
+    # Last: the engine sets the model's attention to its own.
+    engine_figures, engine_workload = measure_engine(model, tokenizer, quick, log)
+    figures.update(engine_figures)
     workload = {
         "model": MODEL_NAME,
         "dtype": "float32",
@@ -415,6 +427,7 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         "overflow_decode_tokens": overflow_steps,
         "overflow_decode_tokens_per_second": overflow_speed,
         "runs": {name: rs[-1] | {"tokens": None} for name, rs in finished.items()},
+        "engine": engine_workload,
     }
     return Measured(
         figures=figures,
@@ -604,6 +617,24 @@ def readme_tables(results: dict) -> dict[str, str]:
                 for name, v in w["overflow_decode_tokens_per_second"].items()
             )
             + "."
+        )
+    if "engine" in w:
+        e = w["engine"]
+        speeds = e["tokens_per_second"]
+        workload += (
+            f" Engine runs: {e['requests']} ShareGPT-like requests (prompts "
+            f"{min(e['prompt_tokens'])}-{max(e['prompt_tokens'])} tokens, outputs "
+            f"{min(e['output_tokens'])}-{max(e['output_tokens'])}) arriving at "
+            f"{format_value(e['arrival_rate_per_step'], 'ratio')} per step, lossless, on an arena "
+            f"of {format_value(e['arena_bytes'] / 2**20, 'MiB')} MiB "
+            f"({format_value(e['arena_fraction'], 'fraction')} of their KV at its longest) with a "
+            f"host tier of {format_value(e['host_tier_bytes'] / 2**20, 'MiB')} MiB; output "
+            f"tokens/s swapping {format_value(speeds['swap'], 'tok/s')}, recomputing "
+            f"{format_value(speeds['recompute'], 'tok/s')}; with adaptive chunking to a "
+            f"{format_value(e['step_time_target_s'] * 1e3, 'ms')} ms step, "
+            f"{format_value(speeds['adaptive'], 'tok/s')} and "
+            f"{format_value(speeds['adaptive_recompute'], 'tok/s')} (medians of "
+            f"{e['repeats']} interleaved rounds)."
         )
     return {"tiers": figure_table(results, names) + "\n\n" + workload}
 

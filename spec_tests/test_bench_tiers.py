@@ -41,6 +41,21 @@ def test_the_quick_run_measures_every_figure_and_its_tiered_tokens_are_exact(qui
         "tiers.recompute.tokens_per_step.lru",
         "tiers.recompute.dropped_fraction",
         "tiers.recompute.tokens_equal_dynamic",
+        "tiers.scheduler_bytes_ratio",
+        "tiers.scheduler_bytes_ratio.vs_round_robin",
+        "tiers.engine.bytes_per_token.page_aware",
+        "tiers.engine.bytes_per_token.fifo",
+        "tiers.engine.bytes_per_token.round_robin",
+        "tiers.engine.swaps.page_aware",
+        "tiers.engine.swaps.fifo",
+        "tiers.engine.swaps.round_robin",
+        "tiers.engine.swap_over_recompute",
+        "tiers.engine.tokens_equal_recompute",
+        *(
+            f"tiers.engine.adaptive_chunking{engine}.{ratio}"
+            for engine in ("", ".recompute")
+            for ratio in ("step_p95_ratio", "tpot_p95_ratio", "throughput_ratio")
+        ),
     }
     assert figures["tiers.tokens_equal_dynamic"].value == 1.0
     assert figures["tiers.recompute.tokens_equal_dynamic"].value == 1.0
@@ -66,6 +81,15 @@ def test_the_quick_run_measures_every_figure_and_its_tiered_tokens_are_exact(qui
     assert runs["all_device"]["device_attention_share"] == pytest.approx(1.0)
     for policy in ("lru", "cost", "attention"):
         assert 0 < figures[f"tiers.device_attention_share.{policy}"].value < 1
+    # The engine runs: the arena is tight enough that requests are swapped out and back, every
+    # rule's requests make the recomputing engine's tokens, and each byte out comes back.
+    assert figures["tiers.engine.tokens_equal_recompute"].value == 1.0
+    engine = quick_run.workload["engine"]
+    for name, run in engine["runs"].items():
+        assert run["bytes_in"] == run["bytes_out"], name
+        assert figures[f"tiers.engine.swaps.{name}"].value == run["swaps"]
+    assert engine["runs"]["round_robin"]["swaps"] > 0
+    assert engine["recompute_preemptions"] > 0
 
 
 def test_kv_bytes_count_every_layer_k_and_v():

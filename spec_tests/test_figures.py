@@ -212,6 +212,13 @@ def test_a_nan_never_meets_its_target():
     assert Figure(1.0, "ratio", "x", None).met() is None
 
 
+def test_a_strict_target_is_not_met_by_equality():
+    assert Figure(0.9, "ratio", "x", ("<", 1.0)).met() is True
+    assert Figure(1.0, "ratio", "x", ("<", 1.0)).met() is False
+    assert Figure(1.0, "ratio", "x", ("<=", 1.0)).met() is True
+    assert Figure(float("nan"), "ratio", "x", ("<", 1.0)).met() is False
+
+
 def test_a_dependency_changed_during_a_run_is_recorded(tmp_path):
     from kvstack.bench.suite import run_suite
 

@@ -6,7 +6,8 @@ Importing this module registers the engine's attention (``"kvstack_serve"``) wit
 from kvstack.serve.cache_spec import CacheSpec
 from kvstack.serve.engine import SERVE_ATTENTION, Engine, register
 from kvstack.serve.request import Request, RequestStats, Sampling
-from kvstack.serve.scheduler import BatchRule, PageAwareRule, Work
+from kvstack.serve.scheduler import BatchRule, FIFORule, PageAwareRule, RoundRobinRule, Work
+from kvstack.serve.swap import HostSwap, SwapStats
 
 register()
 
@@ -15,9 +16,13 @@ __all__ = [
     "BatchRule",
     "CacheSpec",
     "Engine",
+    "FIFORule",
+    "HostSwap",
     "PageAwareRule",
     "Request",
     "RequestStats",
+    "RoundRobinRule",
     "Sampling",
+    "SwapStats",
     "Work",
 ]

@@ -28,12 +28,21 @@ A step, in order:
    then room for ``DECODE_HEADROOM_TOKENS`` more tokens, or for an evicting cache its tables at
    their budget), hold its ``admission_bytes``. Nobody overtakes it.
 2. **Batch**: each running request offers its next work (``scheduler.Work``); the
-   ``BatchRule`` orders the offers and the step takes them within ``max_batch_tokens``.
+   ``BatchRule`` orders the offers and the step takes them within ``max_batch_tokens``. With
+   a ``step_time_target`` (adaptive chunking, ``kvstack.serve.chunking``) the step takes
+   every decode token first, then prefill and recompute work in the rule's order, within the
+   prefill tokens the engine's fitted step costs say the target allows.
 3. **Pages**: the step's work must fit the free pages; while it does not, the newest running
    request is preempted: its pages are returned and it waits, first in line, to recompute.
    A lossless request recomputes its prompt and outputs as a prefill; an evicting one prefills
    its prompt and replays its outputs one decode step each, so its cache makes the same
-   evictions again and its output does not change.
+   evictions again and its output does not change. With a host swap tier
+   (``swap_bytes``, lossless stacked layout: ``kvstack.serve.swap``) a preempted request's
+   pages are copied to the host instead; it stays running, not resident, and its work is
+   offered with the bytes it would fetch. A step that takes it copies them back first (making
+   room, if needed, by swapping out the resident request the rule picks, ``choose_victim``,
+   else the newest). Non-resident work after the step's first piece waits when it does not
+   fit, rather than pushing others out.
 4. **Forward and sampling**: requests whose work reached their last known token draw the next
    one (``request.Sampling``); a request ends at a stop id or at ``max_new_tokens`` and returns
    its pages.
@@ -72,6 +81,7 @@ from kvstack.hf.state_layers import is_state_layer
 from kvstack.reference.checks import check_positive_int
 from kvstack.serve.attention import SEGMENTS_KWARG, StepContext, StepRequest, serve_attention
 from kvstack.serve.cache_spec import CacheGeometry, CacheSpec, cache_config
+from kvstack.serve.chunking import StepTimeModel, check_step_time_target
 from kvstack.serve.layouts import Need, hybrid_geometry, make_layout
 from kvstack.serve.request import (
     Request,
@@ -83,6 +93,7 @@ from kvstack.serve.request import (
 )
 from kvstack.serve.scheduler import BatchRule, PageAwareRule, Work, fill_batch
 from kvstack.serve.stacked_kv import StackedKV
+from kvstack.serve.swap import HostSwap
 
 SERVE_ATTENTION = "kvstack_serve"
 DEFAULT_MAX_BATCH_TOKENS = 512
@@ -138,6 +149,8 @@ class Engine:
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         rule: BatchRule | None = None,
         layout: str = "kvstack",
+        swap_bytes: int | str | None = None,
+        step_time_target: float | None = None,
     ) -> None:
         spec = CacheSpec() if cache is None else cache
         if not isinstance(spec, CacheSpec):
@@ -176,6 +189,9 @@ class Engine:
         self.spec = spec
         self.max_batch_tokens = max_batch_tokens
         self.prefill_chunk = prefill_chunk
+        # Adaptive chunking: each step's token budget from the steps run so far.
+        self.step_time_target = check_step_time_target(step_time_target)
+        self.step_times = StepTimeModel()
         self.rule: BatchRule = PageAwareRule() if rule is None else rule
         self._config = cache_config(model.config)
         # A probe cache: checks the spec against this model (budget, ratio, arena dtype and
@@ -204,6 +220,16 @@ class Engine:
             and len(attention_layers) == len(template)
         )
         self._layer_index = {layer: place for place, layer in enumerate(attention_layers)}
+        # The host swap tier: preempted requests' pages move there instead of being recomputed.
+        self.swap: HostSwap | None = None
+        if swap_bytes is not None:
+            if not self._stacked:
+                raise InvalidArgumentError(
+                    f"swap_bytes needs the lossless cache (CacheSpec()) on a model whose layers "
+                    f"are all full attention, in the kvstack layout; this engine runs {spec} in "
+                    f"the {layout} layout" + (" on a hybrid model" if self.hybrid else "")
+                )
+            self.swap = HostSwap(swap_bytes, arena)
         # Arena bytes of one request's recurrent-state pages (hybrids): exact sizes, the same for
         # every request of a model; from the config where the model's state shapes are known
         # (``layouts.hybrid_geometry``), else learned from the first request that holds them.
@@ -372,7 +398,8 @@ class Engine:
 
     @property
     def running(self) -> tuple[Request, ...]:
-        """Requests holding a cache, in admission order."""
+        """Requests admitted and not done, in admission order: each holds a cache, or its pages
+        sit in the host swap tier (``request.swapped``)."""
         return tuple(self._running)
 
     def has_work(self) -> bool:
@@ -479,6 +506,9 @@ class Engine:
     def _step_need(self, work: Work) -> Need:
         """Upper bound of the arena bytes ``work`` adds in this step."""
         request = work.request
+        if request.swapped is not None:  # its pages come back, then the work's tokens
+            pages = -(-(request.computed + work.tokens) // self.spec.block_size)
+            return Need(pages * request.swapped.page_bytes)
         if self.spec.compresses_prompt and request.computed < len(request.prompt_ids):
             # A chunk of an evicting prefill: each layer appends the chunk and evicts back to
             # its budget before the next layer appends, so the step peaks at the admission
@@ -506,19 +536,29 @@ class Engine:
         if not batch:
             return []
         try:
+            for work in batch:
+                if work.request.swapped is not None:
+                    self._swap_in(work.request)
+            started = time.perf_counter()
             logits = self._forward_each(batch) if self.hybrid else self._forward(batch)
+            seconds = time.perf_counter() - started
         except BaseException as error:
             # Some layers may hold this step's K/V and others not: no cache of the step can be
             # continued. Each of its requests recomputes (its tokens are kept), and an error
             # the engine cannot absorb is raised with the engine consistent.
+            # A request still in the swap tier is untouched: its host copy is whole.
             for work in batch:
                 if work.request.cache is not None:
-                    self._preempt(work.request)
+                    self._preempt(work.request, swap=False)
             # The bound in _step_need makes running out here unexpected; with other requests
             # left to free pages, recomputing is the remedy. Anything else is the caller's.
             if isinstance(error, ArenaExhausted) and len(batch) > 1:
                 return []
             raise
+        # What the step cost, for adaptive chunking's fitted step costs.
+        decodes = sum(work.kind == "decode" for work in batch)
+        prefill = sum(work.tokens for work in batch if work.kind != "decode")
+        self.step_times.observe(decodes, prefill, seconds)
         produced = []
         for work, row in zip(batch, logits, strict=True):
             request = work.request
@@ -593,28 +633,78 @@ class Engine:
             return Work(request, 1, "decode")
         count = min(self.prefill_chunk, remaining)
         kind = "decode" if remaining == 1 and request.output_ids else "prefill"
-        return Work(request, count, kind, flexible=True)
+        work = Work(request, count, kind, flexible=True)
+        if request.swapped is not None:
+            work.resident, work.fetch_bytes = False, request.swapped.nbytes
+        return work
 
     def _choose_batch(self) -> list[Work]:
         """The step's work: running requests' offers in the rule's order within the token
-        budget, whose pages fit the free bytes. While they do not, the newest running request
-        gives its pages back and the batch is chosen again, so a step with requests running
-        always has work (one request alone fits: ``submit`` checked)."""
+        budget, whose pages fit the free bytes. While they do not, non-resident work after the
+        first piece is left to wait if that is enough; else a resident request (``_victim``)
+        gives its pages back (to the host swap tier, or to recompute) and the batch is chosen
+        again.
+        The first piece's own request is not pushed out for it unless it has computed nothing
+        (admitted early: it goes back to the queue), so a step with requests running always has
+        work (one request alone fits: ``submit`` checked)."""
         while True:
             offers = [self._offer(request) for request in self._running]
-            batch = fill_batch(self.rule.order(offers, self._step), self.max_batch_tokens)
-            needed = sum((self._step_need(work) for work in batch), Need())
-            if len(self._running) <= 1 or self.layout.fits(needed, self._held()):
+            ordered = self.rule.order(offers, self._step)
+            budget = self.max_batch_tokens
+            if self.step_time_target is not None:
+                # Stall-free batching: every decode token, then the rest in the rule's order.
+                decodes = [work for work in ordered if work.kind == "decode"]
+                ordered = decodes + [work for work in ordered if work.kind != "decode"]
+                # Room for one chunk beside the decodes, whatever the target: prefill always
+                # progresses (a whole chunk for an evicting cache, a block's worth otherwise).
+                chunk = self.prefill_chunk if self.spec.evicting else self.spec.block_size
+                budget = len(decodes) + self.step_times.prefill_budget(
+                    self.step_time_target, len(decodes), chunk, self.max_batch_tokens
+                )
+            batch = fill_batch(ordered, budget)
+            if self._batch_fits(batch):
                 return batch
-            self._preempt(max(self._running, key=lambda request: request.id))
+            resident_rest = batch[:1] + [work for work in batch[1:] if work.resident]
+            if len(resident_rest) < len(batch) and self._batch_fits(resident_rest):
+                return resident_rest
+            first = batch[0].request
+            victims = [
+                request
+                for request in self._running
+                if request.cache is not None and (request is not first or not request.computed)
+            ]
+            if not victims:
+                return batch[:1]
+            self._preempt(self._victim(victims))
 
-    def _preempt(self, request: Request) -> None:
-        """Return ``request``'s pages and queue it to recompute. One that had computed nothing
-        is only sent back to the queue (it loses no work: not counted as a preemption)."""
-        self._running.remove(request)
+    def _victim(self, candidates: list[Request]) -> Request:
+        """Whom to preempt: the newest request (it loses the least work when recomputed), or
+        with a swap tier the rule's choice where it makes one (``choose_victim``: a swapped
+        request loses no work, so the rule may weigh the bytes instead)."""
+        choose = getattr(self.rule, "choose_victim", None)
+        if self.swap is not None and choose is not None:
+            return choose(candidates)
+        return max(candidates, key=lambda request: request.id)
+
+    def _batch_fits(self, batch: list[Work]) -> bool:
+        needed = sum((self._step_need(work) for work in batch), Need())
+        return self.layout.fits(needed, self._held())
+
+    def _preempt(self, request: Request, *, swap: bool = True) -> None:
+        """Take ``request``'s pages from the arena. With a host swap tier that can hold them
+        (and ``swap``), they are copied there and the request keeps running, not resident.
+        Otherwise they are returned and the request is queued to recompute; one that had
+        computed nothing is only sent back to the queue (it loses no work: not counted as a
+        preemption)."""
         if request.computed:
             request.stats.preemptions += 1
             self.preemptions += 1
+        if swap and self.swap is not None and request.cache is not None and request.computed:
+            swapped = self.swap.swap_out(request.cache)
+            if swapped is not None:
+                request.cache, request.swapped = None, swapped
+                return
+        self._running.remove(request)
         self._drop_cache(request)
         # Running requests are all older than waiting ones (FIFO admission): it goes first.
         position = next(
@@ -623,10 +713,20 @@ class Engine:
         )
         self._waiting.insert(position, request)
 
+    def _swap_in(self, request: Request) -> None:
+        """Copy a swapped request's pages back into a new store on the arena (the step's need
+        counted them, so they fit)."""
+        store = self._new_cache()
+        self.swap.swap_in(request.swapped, store)  # all or nothing
+        request.cache, request.swapped = store, None
+
     def _drop_cache(self, request: Request) -> None:
         if request.cache is not None:
             request.cache.release()
+        if request.swapped is not None:
+            self.swap.free(request.swapped)
         request.cache = None
+        request.swapped = None
         request.computed = 0
 
     def _forward(self, batch: list[Work]) -> list[torch.Tensor | None]:
@@ -735,7 +835,7 @@ class Engine:
                 raise
             # This request's cache may hold part of the step: it recomputes, and the newest
             # running request gives its pages back too, so the oldest progress.
-            self._preempt(request)
+            self._preempt(request, swap=False)
             newest = max(self._running, key=lambda r: r.id)
             if newest.id > request.id:
                 self._preempt(newest)

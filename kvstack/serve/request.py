@@ -120,6 +120,9 @@ class Request:
     # outputs) the cache holds; a preempted request drops its cache and starts again from 0.
     cache: Any = None
     computed: int = 0
+    # Its pages while they sit in the engine's host swap tier (``kvstack.serve.swap``): it is
+    # still running, with ``computed`` tokens, but holds no arena pages until swapped back in.
+    swapped: Any = None
     admitted_at_step: int | None = None
     last_scheduled_step: int = -1
     # K/V the caller gave for the prompt's first tokens (``Engine.submit(prefix_kv=...)``): keys
@@ -128,7 +131,13 @@ class Request:
     prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     def __repr__(self) -> str:
-        state = self.finish_reason or ("running" if self.cache is not None else "waiting")
+        state = self.finish_reason or (
+            "running"
+            if self.cache is not None
+            else "swapped"
+            if self.swapped is not None
+            else "waiting"
+        )
         return (
             f"Request(id={self.id}, prompt={len(self.prompt_ids)} tokens, "
             f"output={len(self.output_ids)}/{self.max_new_tokens}, {state})"

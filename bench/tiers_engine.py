@@ -1,0 +1,304 @@
+"""The tiers benchmark's engine runs: swap to a host tier instead of recomputing, and the batch
+rule that decides whose pages come back (``tiers.scheduler_bytes_ratio``, ``tiers.engine.*``).
+
+Workload: SmolLM2-135M-Instruct on CPU, float32, one torch thread; the engine's attention on its
+default backends. ``REQUESTS`` requests with ShareGPT-like prompt and output lengths
+(``kvstack.bench.serve.trace_requests``: contexts up to ``MAX_CONTEXT`` tokens, outputs up to
+``MAX_NEW`` tokens, prompts sliced from the longest benchmark prompt), arriving as a Poisson process of ``ARRIVAL_RATE`` requests per engine step (the
+arrivals are counted in steps, not seconds, so every run of a configuration makes the same
+steps and moves the same bytes). Lossless ``CacheSpec()`` on a fixed arena of
+``ARENA_FRACTION`` of the KV every request would hold at once at its longest, so the running
+requests outgrow it as they decode; a host tier (``Engine(swap_bytes=...)``) large enough for
+the whole trace, so no swap is refused. ``max_batch_tokens`` 512, ``prefill_chunk`` 128.
+
+* ``tiers.scheduler_bytes_ratio``: bytes copied back from the host per output token with
+  ``PageAwareRule`` (resident work first, then the fewest bytes to fetch; it swaps out the
+  request holding the fewest bytes; the fairness bound ``max_wait``) ÷ ``FIFORule`` (the
+  oldest request first wherever its pages are; the newest request swapped out: vLLM's
+  policy). Same engine, trace, arena and host tier; what differs is the rule. Target < 1.
+  ``.vs_round_robin``: the same over ``RoundRobinRule`` (the request that ran least recently
+  first, wherever its pages are).
+* ``tiers.engine.bytes_per_token.{page_aware,fifo,round_robin}`` and
+  ``tiers.engine.swaps.{...}``: the counts behind those ratios.
+* ``tiers.engine.swap_over_recompute``: output tokens/s of the page-aware engine with the host
+  tier ÷ the same engine recomputing its preempted requests (no host tier); medians of
+  ``REPEATS`` interleaved rounds. What differs is the remedy: a copy of the pages to the host
+  and back, against a prefill of the request's prompt and outputs.
+* ``tiers.engine.adaptive_chunking.{step_p95_ratio,tpot_p95_ratio,throughput_ratio}``:
+  AsymCache's adaptive chunking (``Engine(step_time_target=...)``: every decode token first,
+  then prefill and recompute cut to the tokens the fitted step costs allow) with a target of
+  ``ADAPTIVE_TARGET`` x the median step of the first swapping run, ÷ the same engine with the
+  fixed budget (page-aware, host tier): 95th percentiles of step time and of time per output
+  token, and output tokens/s. ``.recompute.*``: the same on the recomputing engine, whose
+  recomputed prefills are what adaptive chunking is for. Same trace, arena and rule; what
+  differs is how many tokens a step takes and in what order.
+* ``tiers.engine.tokens_equal_recompute``: the fraction of the swapping runs (adaptive
+  included) whose every request's tokens equal the recomputing run's.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvstack.bench.suite import Figure
+
+REQUESTS, QUICK_REQUESTS = 16, 6
+MAX_CONTEXT, QUICK_MAX_CONTEXT = 1024, 96
+MAX_NEW, QUICK_MAX_NEW = 128, 40
+ARRIVAL_RATE = 0.25  # requests per engine step
+ARENA_FRACTION = 0.2
+MAX_BATCH_TOKENS, PREFILL_CHUNK = 512, 128
+TRACE_SEED = 0
+REPEATS = 3
+# Adaptive chunking's step-time target, as a multiple of the median step of the fixed-budget
+# run (mostly decode steps): room for some prefill beside the decodes in every step.
+ADAPTIVE_TARGET = 2.0
+
+
+def run_engine(
+    model: Any,
+    capacity: int,
+    requests: list[tuple[list[int], int]],
+    arrivals: list[int],
+    rule: Any,
+    swap_bytes: int | None,
+    step_time_target: float | None = None,
+) -> dict[str, Any]:
+    """One engine over the trace: each request submitted at its arrival step (an idle engine
+    skips ahead to the next arrival); the arena and the host tier must be empty at the end."""
+    from kvstack.arena import KVArena
+    from kvstack.bench.serve import percentile
+    from kvstack.serve import CacheSpec, Engine
+
+    arena = KVArena(capacity, dtype=next(model.parameters()).dtype)
+    engine = Engine(
+        model,
+        arena,
+        cache=CacheSpec(),
+        max_batch_tokens=MAX_BATCH_TOKENS,
+        prefill_chunk=PREFILL_CHUNK,
+        rule=rule,
+        swap_bytes=swap_bytes,
+        step_time_target=step_time_target,
+    )
+    order = sorted(range(len(requests)), key=lambda i: arrivals[i])
+    handles: list[Any] = [None] * len(requests)
+    step = 0
+    step_seconds = []
+    started = time.perf_counter()
+    while order or engine.has_work():
+        if not engine.has_work():
+            step = max(step, arrivals[order[0]])
+        while order and arrivals[order[0]] <= step:
+            index = order.pop(0)
+            handles[index] = engine.submit(*requests[index])
+        begun = time.perf_counter()
+        engine.step()
+        step_seconds.append(time.perf_counter() - begun)
+        step += 1
+    wall = time.perf_counter() - started
+    if arena.bytes_used or (engine.swap is not None and engine.swap.bytes_used):
+        raise AssertionError("the trace ended with pages still held")
+    swap = engine.swap.stats if engine.swap is not None else None
+    output_tokens = sum(len(h.output_ids) for h in handles)
+    return {
+        "wall_seconds": wall,
+        "output_tokens": output_tokens,
+        "tokens_per_second": output_tokens / wall,
+        "steps": step,
+        "preemptions": engine.preemptions,
+        "swaps": swap.swaps_in if swap else 0,
+        "bytes_in": swap.bytes_in if swap else 0,
+        "bytes_out": swap.bytes_out if swap else 0,
+        "copy_seconds": swap.copy_seconds if swap else 0.0,
+        "peak_host_bytes": swap.peak_host_bytes if swap else 0,
+        "step_seconds_p50": percentile(step_seconds, 0.5),
+        "step_seconds_p95": percentile(step_seconds, 0.95),
+        "tpot_p95_s": percentile([h.stats.tpot_s for h in handles if h.stats.tokens > 1], 0.95),
+        "outputs": [h.output_ids for h in handles],
+    }
+
+
+def measure_engine(
+    model: Any, tokenizer: Any, quick: bool, log: Callable[[str], None]
+) -> tuple[dict[str, Figure], dict[str, Any]]:
+    """The figures and the workload record of the engine runs (see the module doc)."""
+    import kvstack.serve  # noqa: F401  (registers the engine's attention)
+    from kvstack.bench.serve import full_kv_bytes, largest_request_bytes, trace_requests
+    from kvstack.serve import CacheSpec, FIFORule, PageAwareRule, RoundRobinRule
+
+    requests, arrivals = trace_requests(
+        tokenizer,
+        QUICK_REQUESTS if quick else REQUESTS,
+        QUICK_MAX_CONTEXT if quick else MAX_CONTEXT,
+        QUICK_MAX_NEW if quick else MAX_NEW,
+        arrival_rate=ARRIVAL_RATE,
+        quick=quick,
+    )
+    if quick:
+        # The quick trace's drawn outputs are a few tokens: every request makes the cap
+        # instead, so that its decoding still outgrows the arena and requests are swapped.
+        requests = [(ids, QUICK_MAX_NEW) for ids, _ in requests]
+    longest = full_kv_bytes(model, requests)
+    # Never too small for the largest request alone (what ``submit`` checks).
+    capacity = max(
+        int(ARENA_FRACTION * longest), largest_request_bytes(model, CacheSpec(), requests)
+    )
+    swap_bytes = longest  # the whole trace at its longest: no swap is refused
+
+    # Untimed warm-up: the first calls compile the engine's attention for each batch size.
+    warm = [(ids, 2 * (i + 1)) for i, (ids, _) in enumerate(requests[:4])]
+    for _ in range(2):
+        run_engine(model, 4 * longest, warm, [0] * len(warm), PageAwareRule(), None)
+
+    rules = {"page_aware": PageAwareRule, "fifo": FIFORule, "round_robin": RoundRobinRule}
+    runs: dict[str, dict[str, Any]] = {}
+    for name in ("fifo", "round_robin"):
+        log(f"engine: {len(requests)} requests, {name} rule, host tier")
+        runs[name] = run_engine(model, capacity, requests, arrivals, rules[name](), swap_bytes)
+    log("engine: page-aware swapping, recomputing, and with adaptive chunking, interleaved")
+    repeats = 1 if quick else REPEATS
+    target: list[float] = []  # set by the first swapping run: ADAPTIVE_TARGET x its median step
+
+    def swapping() -> dict[str, Any]:
+        run = run_engine(model, capacity, requests, arrivals, PageAwareRule(), swap_bytes)
+        if not target:
+            target.append(ADAPTIVE_TARGET * run["step_seconds_p50"])
+        return run
+
+    sides = {
+        "swap": swapping,
+        "recompute": lambda: run_engine(model, capacity, requests, arrivals, PageAwareRule(), None),
+        "adaptive": lambda: run_engine(
+            model, capacity, requests, arrivals, PageAwareRule(), swap_bytes, target[0]
+        ),
+        "adaptive_recompute": lambda: run_engine(
+            model, capacity, requests, arrivals, PageAwareRule(), None, target[0]
+        ),
+    }
+    # Interleaved rounds, who goes first alternating (``kvstack.bench.timing``'s discipline); the
+    # time of a run is its engine loop's wall time (``run_engine``), without building the
+    # arenas, so the host tier's allocation is not charged to the swapping side.
+    walls: dict[str, list[float]] = {name: [] for name in sides}
+    last: dict[str, dict[str, Any]] = {}
+    for round_index in range(repeats):
+        names = list(sides) if round_index % 2 == 0 else list(reversed(sides))
+        for name in names:
+            last[name] = sides[name]()
+            walls[name].append(last[name]["wall_seconds"])
+    runs["page_aware"] = last["swap"]
+    recompute = last["recompute"]
+    output_tokens = recompute["output_tokens"]
+    for name, run in runs.items():
+        log(
+            f"  {name}: {run['swaps']} swaps, {run['bytes_in'] / 2**20:.1f} MiB back, "
+            f"{run['steps']} steps"
+        )
+
+    figures: dict[str, Figure] = {}
+    per_token = {name: run["bytes_in"] / run["output_tokens"] for name, run in runs.items()}
+
+    def ratio(a: float, b: float) -> float:
+        return a / b if b else (float("inf") if a else float("nan"))
+
+    figures["tiers.scheduler_bytes_ratio"] = Figure(
+        ratio(per_token["page_aware"], per_token["fifo"]),
+        "ratio",
+        "bytes copied back from the host tier per output token, PageAwareRule ÷ FIFORule, "
+        "same engine, trace, arena and host tier",
+        ("<", 1.0),
+    )
+    figures["tiers.scheduler_bytes_ratio.vs_round_robin"] = Figure(
+        ratio(per_token["page_aware"], per_token["round_robin"]),
+        "ratio",
+        "bytes copied back per output token, PageAwareRule ÷ RoundRobinRule",
+    )
+    for name, run in runs.items():
+        figures[f"tiers.engine.bytes_per_token.{name}"] = Figure(
+            per_token[name], "bytes", f"bytes copied back from the host per output token, {name}"
+        )
+        figures[f"tiers.engine.swaps.{name}"] = Figure(
+            float(run["swaps"]), "count", f"requests swapped out and back in, {name}"
+        )
+    swap_seconds = statistics.median(walls["swap"])
+    recompute_seconds = statistics.median(walls["recompute"])
+    figures["tiers.engine.swap_over_recompute"] = Figure(
+        recompute_seconds / swap_seconds,
+        "ratio",
+        "output tokens/s, page-aware engine swapping preempted requests to the host tier ÷ "
+        "the same engine recomputing them (same trace, arena and rule)",
+    )
+    figures["tiers.engine.tokens_equal_recompute"] = Figure(
+        sum(
+            run["outputs"] == recompute["outputs"]
+            for run in [*runs.values(), last["adaptive"], last["adaptive_recompute"]]
+        )
+        / (len(runs) + 2),
+        "fraction",
+        "swapping and adaptive runs whose every request's tokens equal the recomputing run's",
+        (">=", 1.0),
+    )
+    for suffix, fixed_name, adaptive_name, engine in (
+        ("", "swap", "adaptive", "page-aware, host tier"),
+        (".recompute", "recompute", "adaptive_recompute", "page-aware, recomputing"),
+    ):
+        fixed, adaptive = last[fixed_name], last[adaptive_name]
+        what = (
+            f"Engine(step_time_target={target[0] * 1e3:.0f} ms: {ADAPTIVE_TARGET:g}x the swapping "
+            "run's median step) ÷ the same engine with a fixed budget of "
+            f"{MAX_BATCH_TOKENS} tokens per step ({engine}; same trace and arena)"
+        )
+        key = f"tiers.engine.adaptive_chunking{suffix}"
+        figures[f"{key}.step_p95_ratio"] = Figure(
+            adaptive["step_seconds_p95"] / fixed["step_seconds_p95"],
+            "ratio",
+            f"95th percentile of step time, {what}",
+        )
+        figures[f"{key}.tpot_p95_ratio"] = Figure(
+            adaptive["tpot_p95_s"] / fixed["tpot_p95_s"],
+            "ratio",
+            f"95th percentile over requests of time per output token, {what}",
+        )
+        figures[f"{key}.throughput_ratio"] = Figure(
+            statistics.median(walls[fixed_name]) / statistics.median(walls[adaptive_name]),
+            "ratio",
+            f"output tokens/s (medians of interleaved rounds), {what}",
+        )
+    workload = {
+        "requests": len(requests),
+        "prompt_tokens": [len(ids) for ids, _ in requests],
+        "output_tokens": [new for _, new in requests],
+        "arrival_steps": arrivals,
+        "arrival_rate_per_step": ARRIVAL_RATE,
+        "arena_bytes": capacity,
+        "arena_fraction": ARENA_FRACTION,
+        "host_tier_bytes": swap_bytes,
+        "max_batch_tokens": MAX_BATCH_TOKENS,
+        "prefill_chunk": PREFILL_CHUNK,
+        "repeats": repeats,
+        "tokens_per_second": {
+            "swap": output_tokens / swap_seconds,
+            "recompute": output_tokens / recompute_seconds,
+            "adaptive": output_tokens / statistics.median(walls["adaptive"]),
+            "adaptive_recompute": output_tokens / statistics.median(walls["adaptive_recompute"]),
+        },
+        "step_time_target_s": target[0],
+        "adaptive": {
+            name: {key: value for key, value in last[name].items() if key != "outputs"}
+            for name in ("adaptive", "adaptive_recompute")
+        },
+        "recompute": {key: value for key, value in recompute.items() if key != "outputs"},
+        "wall_seconds": walls,
+        "recompute_preemptions": recompute["preemptions"],
+        "runs": {
+            name: {key: value for key, value in run.items() if key != "outputs"}
+            for name, run in runs.items()
+        },
+    }
+    return figures, workload
+
+
+__all__ = ["measure_engine", "run_engine"]

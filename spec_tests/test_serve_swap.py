@@ -1,0 +1,303 @@
+"""Swap instead of recompute: a preempted request's pages move to a host tier and back, its
+output does not change, nothing is computed twice, and the batch rules order resident and
+swapped work as they say.
+
+Tiny random Llama models (fp32, CPU) on the reference attention, as in test_serve_engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kvstack.arena import KVArena
+from kvstack.errors import InvalidArgumentError
+from kvstack.policies import H2O
+from kvstack.serve import (
+    CacheSpec,
+    Engine,
+    FIFORule,
+    PageAwareRule,
+    RoundRobinRule,
+    Work,
+)
+from kvstack.serve.request import Request, RequestStats, Sampling
+from spec_tests.test_serve_engine import (
+    BLOCK_BYTES,
+    PREFILL_CHUNK,
+    TINY,
+    count_paged_attention,
+    prompt,
+    solo,
+)
+
+pytestmark = pytest.mark.usefixtures("reference_attention")
+
+# One page of the stacked store: a block of every layer (2 layers of the tiny model).
+PAGE_BYTES = TINY["num_hidden_layers"] * BLOCK_BYTES
+RULES = {"page_aware": PageAwareRule, "fifo": FIFORule, "round_robin": RoundRobinRule}
+SHORT_WAIT = 4  # a fairness bound the tiny traces reach
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY)).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def swapping_engine(model, capacity: int, swap_bytes, **kwargs) -> Engine:
+    kwargs.setdefault("max_batch_tokens", 48)
+    kwargs.setdefault("prefill_chunk", PREFILL_CHUNK)
+    return Engine(model, KVArena(capacity), cache=CacheSpec(), swap_bytes=swap_bytes, **kwargs)
+
+
+def count_computed_tokens(engine: Engine) -> list[int]:
+    """Wrap the engine's forward: the list gets the tokens each step feeds the model."""
+    fed: list[int] = []
+    forward = engine._forward
+
+    def counting(batch):
+        fed.append(sum(work.tokens for work in batch))
+        return forward(batch)
+
+    engine._forward = counting
+    return fed
+
+
+def test_a_tight_arena_swaps_instead_of_recomputing_and_outputs_do_not_change(model):
+    # Short prompts, long outputs: admitted together, they outgrow the arena mid-decode (the
+    # trace of test_serve_engine's recompute test).
+    requests = [(prompt(12 + i, seed=10 + i), 40) for i in range(4)]
+    expected = [solo(model, "paged", ids, n) for ids, n in requests]
+    serving = swapping_engine(model, 20 * BLOCK_BYTES, "1MiB")
+    fed = count_computed_tokens(serving)
+    handles = [serving.submit(ids, n) for ids, n in requests]
+    serving.run()
+    stats = serving.swap.stats
+    assert stats.swaps_out > 0 and stats.swaps_in == stats.swaps_out
+    assert stats.bytes_in == stats.bytes_out > 0 and stats.refused_out == 0
+    assert serving.preemptions == stats.swaps_out
+    assert [h.output_ids for h in handles] == expected
+    # Every token went through the model once: its prompt, then each output but the last.
+    assert sum(fed) == sum(len(ids) + n - 1 for ids, n in requests)
+    assert serving.arena.bytes_used == 0 and serving.swap.bytes_used == 0
+    serving.arena.check_invariants()
+    serving.swap.arena.check_invariants()
+
+
+def test_a_host_tier_too_small_falls_back_to_recomputing(model):
+    requests = [(prompt(12 + i, seed=10 + i), 40) for i in range(4)]
+    serving = swapping_engine(model, 20 * BLOCK_BYTES, PAGE_BYTES)  # holds one page
+    fed = count_computed_tokens(serving)
+    handles = [serving.submit(ids, n) for ids, n in requests]
+    serving.run()
+    assert serving.swap.stats.refused_out > 0
+    assert [h.output_ids for h in handles] == [solo(model, "paged", i, n) for i, n in requests]
+    assert sum(fed) > sum(len(ids) + n - 1 for ids, n in requests)  # some were recomputed
+    assert serving.arena.bytes_used == 0 and serving.swap.bytes_used == 0
+
+
+def test_a_swapped_request_is_offered_as_not_resident_with_its_bytes(model):
+    serving = swapping_engine(model, 20 * BLOCK_BYTES, "1MiB")
+    handles = [serving.submit(prompt(12 + i, seed=10 + i), 40) for i in range(4)]
+    while not serving.swap.stats.swaps_out:
+        serving.step()
+    swapped = [h for h in handles if h.swapped is not None]
+    assert swapped and all(h in serving.running and h.cache is None for h in swapped)
+    assert "swapped" in repr(swapped[0])
+    work = serving._offer(swapped[0])
+    pages = -(-swapped[0].computed // 16)
+    assert not work.resident and work.fetch_bytes == pages * PAGE_BYTES
+    # Cancelling it returns its host pages.
+    held = serving.swap.bytes_used
+    assert serving.cancel(swapped[0])
+    assert serving.swap.bytes_used == held - pages * PAGE_BYTES
+    serving.run()
+    assert serving.arena.bytes_used == 0 and serving.swap.bytes_used == 0
+
+
+def test_an_error_mid_step_keeps_swapped_pages_and_recomputes_the_rest(model, monkeypatch):
+    requests = [(prompt(12 + i, seed=10 + i), 40) for i in range(4)]
+    serving = swapping_engine(model, 20 * BLOCK_BYTES, "1MiB")
+    handles = [serving.submit(ids, n) for ids, n in requests]
+    while not serving.swap.stats.swaps_out:
+        serving.step()
+    swapped = [h for h in handles if h.swapped is not None]
+    held = serving.swap.bytes_used
+    assert swapped and held
+
+    def fail(call: int) -> None:
+        if call == 2:  # the step's second attention call: layer 0 is written, layer 1 not
+            raise RuntimeError("injected")
+
+    count_paged_attention(monkeypatch, fail)
+    with pytest.raises(RuntimeError, match="injected"):
+        serving.step()
+    monkeypatch.undo()
+    # The swapped requests kept their host pages (a step that failed did not touch them unless
+    # it swapped them in); every request the step ran gave its pages back to recompute.
+    assert all(h.swapped is not None or h in serving.waiting for h in swapped)
+    assert serving.swap.bytes_used == sum(h.swapped.nbytes for h in swapped if h.swapped)
+    assert all(r.cache is None for r in serving.waiting)
+    serving.run()
+    assert [h.output_ids for h in handles] == [solo(model, "paged", i, n) for i, n in requests]
+    assert serving.arena.bytes_used == 0 and serving.swap.bytes_used == 0
+
+
+@settings(
+    max_examples=10,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    rule=st.sampled_from([*sorted(RULES), "page_aware_short_wait"]),
+    lengths=st.lists(st.tuples(st.integers(1, 40), st.integers(16, 60)), min_size=2, max_size=5),
+    arrivals=st.lists(st.integers(0, 4), min_size=5, max_size=5),
+    tightness=st.sampled_from([0.2, 0.35, 0.5, 0.7]),
+    swap_pages=st.sampled_from([1, 4, 64]),  # host tier: too small for most, some, all
+    max_batch_tokens=st.sampled_from([16, 32, 64]),
+    seed=st.integers(0, 1000),
+)
+def test_random_traces_with_swapping_finish_with_solo_tokens_and_empty_tiers(
+    model, rule, lengths, arrivals, tightness, swap_pages, max_batch_tokens, seed
+):
+    longest = sum(-(-(p + n) // 16) * TINY["num_hidden_layers"] for p, n in lengths)  # blocks
+    capacity = max(4, round(tightness * longest)) * BLOCK_BYTES
+    serving = swapping_engine(
+        model,
+        capacity,
+        swap_pages * PAGE_BYTES,
+        max_batch_tokens=max_batch_tokens,
+        rule=PageAwareRule(SHORT_WAIT) if rule == "page_aware_short_wait" else RULES[rule](),
+    )
+    requests = [(prompt(p, seed + i), n) for i, (p, n) in enumerate(lengths)]
+    handles, pending = [], list(zip(arrivals, requests, strict=False))
+    step = 0
+    while pending or serving.has_work():
+        for _, (ids, n) in [item for item in pending if item[0] <= step]:
+            try:
+                handles.append((serving.submit(ids, n), ids, n))
+            except InvalidArgumentError:
+                need = max(serving.admission_bytes(len(ids)), serving.lifetime_bytes(len(ids), n))
+                assert need > serving.arena.capacity_bytes
+        pending = [item for item in pending if item[0] > step]
+        serving.step()
+        # Nothing swapped holds arena pages; the host holds exactly the swapped requests' pages.
+        swapped = [r for r in serving.running if r.swapped is not None]
+        assert all(r.cache is None for r in swapped)
+        assert serving.swap.bytes_used == sum(r.swapped.nbytes for r in swapped)
+        if rule == "page_aware_short_wait":
+            # The fairness bound: past SHORT_WAIT steps without running a request goes first;
+            # several overdue at once go one a step at worst, at most one per request.
+            for request in serving.running:
+                since = max(request.last_scheduled_step, request.admitted_at_step)
+                assert serving._step - since <= SHORT_WAIT + len(lengths) + 1
+        step += 1
+        assert step < 3000, "the engine made no progress"
+    for handle, ids, n in handles:
+        assert handle.output_ids == solo(model, "paged", ids, n)
+    stats = serving.swap.stats
+    assert stats.swaps_in == stats.swaps_out and stats.bytes_in == stats.bytes_out
+    assert serving.arena.bytes_used == 0 and serving.swap.bytes_used == 0
+    serving.arena.check_invariants()
+    serving.swap.arena.check_invariants()
+
+
+def test_the_page_aware_rule_fetches_no_more_than_fifo_or_round_robin(model):
+    # All at once on a tight arena: FIFO brings the oldest swapped request back by pushing the
+    # newest out; round robin brings back whoever ran least recently; the page-aware rule waits
+    # for room. The same outputs, fewer bytes.
+    requests = [(prompt(10 + 3 * i, seed=30 + i), 40 + 4 * i) for i in range(6)]
+    fetched = {}
+    for name, rule in RULES.items():
+        serving = swapping_engine(model, 24 * BLOCK_BYTES, "1MiB", rule=rule())
+        handles = [serving.submit(ids, n) for ids, n in requests]
+        serving.run()
+        assert [h.output_ids for h in handles] == [solo(model, "paged", i, n) for i, n in requests]
+        fetched[name] = serving.swap.stats.bytes_in
+    assert fetched["fifo"] > 0 and fetched["round_robin"] > 0
+    assert fetched["page_aware"] <= fetched["fifo"]
+    assert fetched["page_aware"] < fetched["round_robin"]
+
+
+# ----------------------------------------------------------------- the rules, alone
+
+
+def _work(request_id: int, last_step: int, resident: bool = True, fetch: int = 0) -> Work:
+    request = Request(
+        id=request_id,
+        prompt_ids=[1],
+        max_new_tokens=1,
+        stop_ids=frozenset(),
+        sampling=Sampling(),
+        stats=RequestStats(submitted_at=0.0),
+        last_scheduled_step=last_step,
+    )
+    return Work(request, 1, "decode", resident=resident, fetch_bytes=fetch)
+
+
+def test_page_aware_takes_resident_work_then_the_fewest_bytes_then_the_overdue_first():
+    rule = PageAwareRule(max_wait=5)
+    resident_new, resident_old = _work(0, 9), _work(1, 8)
+    big, small = _work(2, 7, False, 4096), _work(3, 9, False, 1024)
+    order = rule.order([big, resident_new, small, resident_old], step=10)
+    assert [w.request.id for w in order] == [1, 0, 3, 2]
+    # Past max_wait steps without running, the swapped one goes first, wherever its pages are.
+    overdue = _work(4, 3, False, 8192)
+    order = rule.order([resident_new, overdue, small], step=10)
+    assert [w.request.id for w in order] == [4, 0, 3]
+
+
+class _Holding:
+    """A stand-in cache that holds ``bytes_used`` arena bytes."""
+
+    def __init__(self, bytes_used: int) -> None:
+        self.bytes_used = bytes_used
+
+    def stats(self) -> dict[str, float]:
+        return {"bytes_used": self.bytes_used}
+
+
+def test_page_aware_swaps_out_the_request_holding_the_fewest_bytes():
+    requests = [_work(i, 0).request for i in range(4)]
+    for request, held in zip(requests, [4096, 1024, 1024, 8192], strict=True):
+        request.cache = _Holding(held)
+    # Fewest bytes; among equals the newest.
+    assert PageAwareRule().choose_victim(requests) is requests[2]
+    requests[3].cache = _Holding(0)  # admitted, nothing computed: it only goes back to the queue
+    assert PageAwareRule().choose_victim(requests) is requests[3]
+
+
+def test_fifo_and_round_robin_ignore_where_pages_are():
+    works = [_work(2, 4), _work(0, 9, False, 4096), _work(1, 2, False, 64)]
+    assert [w.request.id for w in FIFORule().order(works, 10)] == [0, 1, 2]
+    assert [w.request.id for w in RoundRobinRule().order(works, 10)] == [1, 2, 0]
+
+
+def test_without_swapped_work_page_aware_orders_by_last_step_as_before():
+    works = [_work(i, last, True) for i, last in enumerate([5, -1, 3, 40, 3])]
+    for step in (10, 41, 100):
+        order = PageAwareRule(max_wait=4).order(works, step)
+        assert [w.request.id for w in order] == [1, 2, 4, 0, 3]
+
+
+# ----------------------------------------------------------------- bad input
+
+
+def test_swap_is_refused_where_a_request_cannot_be_swapped(model):
+    with pytest.raises(InvalidArgumentError, match="swap_bytes needs the lossless cache"):
+        Engine(
+            model,
+            KVArena(64 * BLOCK_BYTES),
+            cache=CacheSpec(policy=H2O(), ratio=0.5),
+            swap_bytes="1MiB",
+        )
+    with pytest.raises(InvalidArgumentError, match="capacity"):
+        Engine(model, KVArena(64 * BLOCK_BYTES), swap_bytes="lots")
+    with pytest.raises(InvalidArgumentError, match="max_wait"):
+        PageAwareRule(max_wait=0)
