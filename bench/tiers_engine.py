@@ -4,36 +4,41 @@ rule that decides whose pages come back (``tiers.scheduler_bytes_ratio``, ``tier
 Workload: SmolLM2-135M-Instruct on CPU, float32, one torch thread; the engine's attention on its
 default backends. ``REQUESTS`` requests with ShareGPT-like prompt and output lengths
 (``kvstack.bench.serve.trace_requests``: contexts up to ``MAX_CONTEXT`` tokens, outputs up to
-``MAX_NEW`` tokens, prompts sliced from the longest benchmark prompt), arriving as a Poisson process of ``ARRIVAL_RATE`` requests per engine step (the
-arrivals are counted in steps, not seconds, so every run of a configuration makes the same
-steps and moves the same bytes). Lossless ``CacheSpec()`` on a fixed arena of
-``ARENA_FRACTION`` of the KV every request would hold at once at its longest, so the running
-requests outgrow it as they decode; a host tier (``Engine(swap_bytes=...)``) large enough for
-the whole trace, so no swap is refused. ``max_batch_tokens`` 512, ``prefill_chunk`` 128.
+``MAX_NEW`` tokens, prompts sliced from the longest benchmark prompt). Lossless ``CacheSpec()``
+on a fixed arena of ``ARENA_FRACTION`` of the KV every request would hold at once at its
+longest, so the running requests outgrow it as they decode; a host tier
+(``Engine(swap_bytes=...)``) large enough for the whole trace, so no swap is refused.
+``max_batch_tokens`` 512, ``prefill_chunk`` 128.
 
 * ``tiers.scheduler_bytes_ratio``: bytes copied back from the host per output token with
   ``PageAwareRule`` (resident work first, then the fewest bytes to fetch; it swaps out the
   request holding the fewest bytes; the fairness bound ``max_wait``) ÷ ``FIFORule`` (the
   oldest request first wherever its pages are; the newest request swapped out: vLLM's
-  policy). Same engine, trace, arena and host tier; what differs is the rule. Target < 1.
+  policy). The requests arrive as a Poisson process of ``ARRIVAL_RATE`` per engine step,
+  counted in steps, so a run makes the same steps and moves the same bytes every time: one run
+  of each rule. Same engine, trace, arena and host tier; what differs is the rule. Target < 1.
   ``.vs_round_robin``: the same over ``RoundRobinRule`` (the request that ran least recently
   first, wherever its pages are).
 * ``tiers.engine.bytes_per_token.{page_aware,fifo,round_robin}`` and
   ``tiers.engine.swaps.{...}``: the counts behind those ratios.
+
+The timed runs serve the same requests all at once (a side that makes more, shorter steps would
+meet step-counted arrivals sooner, and so serve a different load), ``REPEATS`` interleaved
+rounds, medians of the engine loop's wall time:
+
 * ``tiers.engine.swap_over_recompute``: output tokens/s of the page-aware engine with the host
-  tier ÷ the same engine recomputing its preempted requests (no host tier); medians of
-  ``REPEATS`` interleaved rounds. What differs is the remedy: a copy of the pages to the host
-  and back, against a prefill of the request's prompt and outputs.
+  tier ÷ the same engine recomputing its preempted requests (no host tier). What differs is
+  the remedy: a copy of the pages to the host and back, against a prefill of the request's
+  prompt and outputs.
 * ``tiers.engine.adaptive_chunking.{step_p95_ratio,tpot_p95_ratio,throughput_ratio}``:
   AsymCache's adaptive chunking (``Engine(step_time_target=...)``: every decode token first,
-  then prefill and recompute cut to the tokens the fitted step costs allow) with a target of
-  ``ADAPTIVE_TARGET`` x the median step of the first swapping run, ÷ the same engine with the
-  fixed budget (page-aware, host tier): 95th percentiles of step time and of time per output
-  token, and output tokens/s. ``.recompute.*``: the same on the recomputing engine, whose
-  recomputed prefills are what adaptive chunking is for. Same trace, arena and rule; what
-  differs is how many tokens a step takes and in what order.
-* ``tiers.engine.tokens_equal_recompute``: the fraction of the swapping runs (adaptive
-  included) whose every request's tokens equal the recomputing run's.
+  then prefill and recompute cut to the tokens the fitted step costs allow) on the recomputing
+  engine, whose recomputed prefills are what it is for, with a target of ``ADAPTIVE_TARGET`` x
+  the median step of its first fixed-budget run, ÷ that engine with the fixed budget: 95th
+  percentiles of step time and of time per output token, and output tokens/s. What differs is
+  how many tokens a step takes and in what order.
+* ``tiers.engine.tokens_equal_recompute``: the fraction of the other runs whose every
+  request's tokens equal the recomputing run's.
 """
 
 from __future__ import annotations
@@ -156,32 +161,38 @@ def measure_engine(
 
     rules = {"page_aware": PageAwareRule, "fifo": FIFORule, "round_robin": RoundRobinRule}
     runs: dict[str, dict[str, Any]] = {}
-    for name in ("fifo", "round_robin"):
-        log(f"engine: {len(requests)} requests, {name} rule, host tier")
-        runs[name] = run_engine(model, capacity, requests, arrivals, rules[name](), swap_bytes)
-    log("engine: page-aware swapping, recomputing, and with adaptive chunking, interleaved")
-    repeats = 1 if quick else REPEATS
-    target: list[float] = []  # set by the first swapping run: ADAPTIVE_TARGET x its median step
+    for name, rule in rules.items():
+        log(f"engine: {len(requests)} requests arriving over steps, {name} rule, host tier")
+        runs[name] = run_engine(model, capacity, requests, arrivals, rule(), swap_bytes)
+        log(
+            f"  {runs[name]['swaps']} swaps, {runs[name]['bytes_in'] / 2**20:.1f} MiB back, "
+            f"{runs[name]['steps']} steps"
+        )
 
-    def swapping() -> dict[str, Any]:
-        run = run_engine(model, capacity, requests, arrivals, PageAwareRule(), swap_bytes)
+    # The timed comparisons serve the same load on both sides: every request at step 0 (with
+    # arrivals counted in steps, a side that makes more, shorter steps would meet them sooner).
+    log("engine: all at once, swapping, recomputing, recomputing with adaptive chunking")
+    repeats = 1 if quick else REPEATS
+    at_once = [0] * len(requests)
+    target: list[float] = []  # set by the first recomputing run: ADAPTIVE_TARGET x its median
+
+    def recomputing() -> dict[str, Any]:
+        run = run_engine(model, capacity, requests, at_once, PageAwareRule(), None)
         if not target:
             target.append(ADAPTIVE_TARGET * run["step_seconds_p50"])
         return run
 
     sides = {
-        "swap": swapping,
-        "recompute": lambda: run_engine(model, capacity, requests, arrivals, PageAwareRule(), None),
+        "recompute": recomputing,
+        "swap": lambda: run_engine(model, capacity, requests, at_once, PageAwareRule(), swap_bytes),
         "adaptive": lambda: run_engine(
-            model, capacity, requests, arrivals, PageAwareRule(), swap_bytes, target[0]
-        ),
-        "adaptive_recompute": lambda: run_engine(
-            model, capacity, requests, arrivals, PageAwareRule(), None, target[0]
+            model, capacity, requests, at_once, PageAwareRule(), None, target[0]
         ),
     }
-    # Interleaved rounds, who goes first alternating (``kvstack.bench.timing``'s discipline); the
-    # time of a run is its engine loop's wall time (``run_engine``), without building the
-    # arenas, so the host tier's allocation is not charged to the swapping side.
+    # Interleaved rounds, who goes first alternating (``kvstack.bench.timing``'s discipline),
+    # the recomputing side first in round 0 (it sets the target); the time of a run is its
+    # engine loop's wall time (``run_engine``), without building the arenas, so the host tier's
+    # allocation is not charged to the swapping side.
     walls: dict[str, list[float]] = {name: [] for name in sides}
     last: dict[str, dict[str, Any]] = {}
     for round_index in range(repeats):
@@ -189,14 +200,8 @@ def measure_engine(
         for name in names:
             last[name] = sides[name]()
             walls[name].append(last[name]["wall_seconds"])
-    runs["page_aware"] = last["swap"]
-    recompute = last["recompute"]
+    recompute, adaptive = last["recompute"], last["adaptive"]
     output_tokens = recompute["output_tokens"]
-    for name, run in runs.items():
-        log(
-            f"  {name}: {run['swaps']} swaps, {run['bytes_in'] / 2**20:.1f} MiB back, "
-            f"{run['steps']} steps"
-        )
 
     figures: dict[str, Figure] = {}
     per_token = {name: run["bytes_in"] / run["output_tokens"] for name, run in runs.items()}
@@ -229,44 +234,39 @@ def measure_engine(
         recompute_seconds / swap_seconds,
         "ratio",
         "output tokens/s, page-aware engine swapping preempted requests to the host tier ÷ "
-        "the same engine recomputing them (same trace, arena and rule)",
+        "the same engine recomputing them (same trace, all at once, arena and rule)",
     )
     figures["tiers.engine.tokens_equal_recompute"] = Figure(
         sum(
             run["outputs"] == recompute["outputs"]
-            for run in [*runs.values(), last["adaptive"], last["adaptive_recompute"]]
+            for run in [*runs.values(), last["swap"], adaptive]
         )
         / (len(runs) + 2),
         "fraction",
         "swapping and adaptive runs whose every request's tokens equal the recomputing run's",
         (">=", 1.0),
     )
-    for suffix, fixed_name, adaptive_name, engine in (
-        ("", "swap", "adaptive", "page-aware, host tier"),
-        (".recompute", "recompute", "adaptive_recompute", "page-aware, recomputing"),
-    ):
-        fixed, adaptive = last[fixed_name], last[adaptive_name]
-        what = (
-            f"Engine(step_time_target={target[0] * 1e3:.0f} ms: {ADAPTIVE_TARGET:g}x the swapping "
-            "run's median step) ÷ the same engine with a fixed budget of "
-            f"{MAX_BATCH_TOKENS} tokens per step ({engine}; same trace and arena)"
-        )
-        key = f"tiers.engine.adaptive_chunking{suffix}"
-        figures[f"{key}.step_p95_ratio"] = Figure(
-            adaptive["step_seconds_p95"] / fixed["step_seconds_p95"],
-            "ratio",
-            f"95th percentile of step time, {what}",
-        )
-        figures[f"{key}.tpot_p95_ratio"] = Figure(
-            adaptive["tpot_p95_s"] / fixed["tpot_p95_s"],
-            "ratio",
-            f"95th percentile over requests of time per output token, {what}",
-        )
-        figures[f"{key}.throughput_ratio"] = Figure(
-            statistics.median(walls[fixed_name]) / statistics.median(walls[adaptive_name]),
-            "ratio",
-            f"output tokens/s (medians of interleaved rounds), {what}",
-        )
+    what = (
+        f"Engine(step_time_target={target[0] * 1e3:.0f} ms: {ADAPTIVE_TARGET:g}x the fixed run's "
+        "median step) ÷ the same engine with a fixed budget of "
+        f"{MAX_BATCH_TOKENS} tokens per step (page-aware, recomputing preempted requests; "
+        "same trace, all at once, and arena)"
+    )
+    figures["tiers.engine.adaptive_chunking.step_p95_ratio"] = Figure(
+        adaptive["step_seconds_p95"] / recompute["step_seconds_p95"],
+        "ratio",
+        f"95th percentile of step time, {what}",
+    )
+    figures["tiers.engine.adaptive_chunking.tpot_p95_ratio"] = Figure(
+        adaptive["tpot_p95_s"] / recompute["tpot_p95_s"],
+        "ratio",
+        f"95th percentile over requests of time per output token, {what}",
+    )
+    figures["tiers.engine.adaptive_chunking.throughput_ratio"] = Figure(
+        recompute_seconds / statistics.median(walls["adaptive"]),
+        "ratio",
+        f"output tokens/s (medians of interleaved rounds), {what}",
+    )
     workload = {
         "requests": len(requests),
         "prompt_tokens": [len(ids) for ids, _ in requests],
@@ -283,16 +283,15 @@ def measure_engine(
             "swap": output_tokens / swap_seconds,
             "recompute": output_tokens / recompute_seconds,
             "adaptive": output_tokens / statistics.median(walls["adaptive"]),
-            "adaptive_recompute": output_tokens / statistics.median(walls["adaptive_recompute"]),
         },
         "step_time_target_s": target[0],
-        "adaptive": {
-            name: {key: value for key, value in last[name].items() if key != "outputs"}
-            for name in ("adaptive", "adaptive_recompute")
+        "timed_runs": {
+            name: {key: value for key, value in run.items() if key != "outputs"}
+            for name, run in last.items()
         },
-        "recompute": {key: value for key, value in recompute.items() if key != "outputs"},
         "wall_seconds": walls,
         "recompute_preemptions": recompute["preemptions"],
+        "swap_preemptions": last["swap"]["preemptions"],
         "runs": {
             name: {key: value for key, value in run.items() if key != "outputs"}
             for name, run in runs.items()

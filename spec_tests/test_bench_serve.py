@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvstack.bench.serve import (
     HYBRID_MODELS,
@@ -21,17 +20,14 @@ from kvstack.bench.serve import (
 )
 from kvstack.policies import H2O
 from kvstack.serve import CacheSpec
-from spec_tests.tiny import TINY_LLAMA
+from spec_tests.tiny import TINY_LLAMA, tiny_serving_llama
 
 TINY = TINY_LLAMA
 
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**TINY)).eval()
-    model.generation_config.eos_token_id = None
-    return model
+    return tiny_serving_llama()
 
 
 # The specification attention, FutureWarnings silenced (spec_tests/conftest.py).

@@ -7,23 +7,20 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvstack.arena import KVArena
 from kvstack.errors import InvalidArgumentError
 from kvstack.serve import Engine
 from kvstack.serve.chunking import StepTimeModel
-from spec_tests.test_serve_engine import BLOCK_BYTES, PREFILL_CHUNK, SPECS, TINY, prompt, solo
+from spec_tests.test_serve_engine import BLOCK_BYTES, PREFILL_CHUNK, SPECS, prompt, solo
+from spec_tests.tiny import tiny_serving_llama
 
 pytestmark = pytest.mark.usefixtures("reference_attention")
 
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**TINY)).eval()
-    model.generation_config.eos_token_id = None
-    return model
+    return tiny_serving_llama(max_position_embeddings=1024)  # test_serve_engine's model
 
 
 @given(
@@ -41,7 +38,9 @@ def test_exact_step_times_give_back_their_costs(fixed, per_decode, per_prefill, 
     for decodes, prefill in steps:
         times.observe(decodes, prefill, fixed + per_decode * decodes + per_prefill * prefill)
     costs = times.costs()
-    rank = int(torch.linalg.matrix_rank(torch.tensor([[1.0, d, p] for d, p in steps])))
+    rank = int(
+        torch.linalg.matrix_rank(torch.tensor([[1.0, d, p] for d, p in steps], dtype=torch.float64))
+    )
     if rank < 3:  # the steps cannot tell the parts apart: no budget from them
         assert costs is None and times.prefill_budget(1.0, 4, 16, 512) == 508
         return
@@ -135,14 +134,36 @@ def test_each_step_takes_its_decodes_first_within_the_budget_and_tokens_do_not_c
     serving._choose_batch = recording
     serving.run()
     assert [h.output_ids for h in handles] == [solo(model, spec_name, i, n) for i, n in requests]
-    chunk = PREFILL_CHUNK if spec_name == "h2o" else 16
     for batch in batches:
         kinds = [kind for kind, _ in batch]
         decodes = kinds.count("decode")
+        # Decodes first (with at most 4 requests they always leave room for a prefill piece).
         assert kinds == ["decode"] * decodes + ["prefill"] * (len(kinds) - decodes)
-        # Within the budget, or the one piece a step always takes.
-        budget = decodes + min(max(0, 48 - decodes), max(chunk, allowed))
-        assert sum(tokens for _, tokens in batch) <= budget or len(batch) == 1
+        # Within the budget (a prefill piece of at most a block or chunk always fits).
+        assert sum(tokens for _, tokens in batch) <= min(48, decodes + max(16, allowed))
+    assert serving.arena.bytes_used == 0
+
+
+@pytest.mark.parametrize("spec_name", ["paged", "h2o"])
+@pytest.mark.parametrize("target", [1e-9, 1e6])
+def test_any_target_serves_every_request_its_solo_tokens(model, spec_name, target):
+    # The fitted costs drive the budget; a target no step can meet still prefills a piece per
+    # step, even where one chunk is the whole step budget (prefill_chunk == max_batch_tokens),
+    # and one every step meets takes the whole budget. Swapping too, where the cache allows.
+    requests = [(prompt(20 + 9 * i, seed=90 + i), 12 + 3 * i) for i in range(4)]
+    serving = Engine(
+        model,
+        KVArena(24 * BLOCK_BYTES),
+        cache=SPECS[spec_name],
+        max_batch_tokens=PREFILL_CHUNK,
+        prefill_chunk=PREFILL_CHUNK,
+        step_time_target=target,
+        swap_bytes="1MiB" if spec_name == "paged" else None,
+    )
+    handles = [serving.submit(ids, n) for ids, n in requests]
+    serving.run()
+    assert [h.output_ids for h in handles] == [solo(model, spec_name, i, n) for i, n in requests]
+    assert serving.step_times.costs() is not None  # the steps varied enough to fit the costs
     assert serving.arena.bytes_used == 0
 
 

@@ -22,7 +22,7 @@ from kvstack.hf import HeadwiseCache, TokenTableCache
 from kvstack.models import TINY_HYBRIDS, tiny_hybrid_config
 from kvstack.policies import H2O, SnapKV
 from kvstack.serve import CacheSpec, Engine, Sampling
-from spec_tests.tiny import TINY_LLAMA
+from spec_tests.tiny import TINY_LLAMA, tiny_serving_llama
 
 TINY = {**TINY_LLAMA, "max_position_embeddings": 1024}
 BLOCK_BYTES = (
@@ -55,11 +55,7 @@ pytestmark = pytest.mark.usefixtures("reference_attention")
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**TINY)).eval()
-    # The engine ends a request only at the stop ids it is given: so does generate here.
-    model.generation_config.eos_token_id = None
-    return model
+    return tiny_serving_llama(max_position_embeddings=1024)
 
 
 def prompt(length: int, seed: int, vocab: int = 256) -> list[int]:
@@ -346,6 +342,17 @@ def test_random_traces_finish_with_solo_tokens_and_an_empty_arena(
     capacity = max(4, round(tightness * longest)) * BLOCK_BYTES
     serving = engine(model, spec_name, capacity, max_batch_tokens=max_batch_tokens)
     requests = [(prompt(p, seed + i), n) for i, (p, n) in enumerate(lengths)]
+    handles = drive(serving, requests, arrivals, max_steps=2000)
+    for handle, ids, n in handles:
+        assert handle.output_ids == solo(model, spec_name, ids, n)
+    assert serving.arena.bytes_used == 0
+    serving.arena.check_invariants()
+
+
+def drive(serving, requests, arrivals, after_step=None, max_steps: int = 3000) -> list:
+    """Submit each (ids, new tokens) request at its arrival step and step until all are done;
+    ``after_step()`` runs after every step. A request too large for the arena even alone must
+    be refused at ``submit``, by the documented rule. Returns (handle, ids, n) of the others."""
     handles, pending = [], list(zip(arrivals, requests, strict=False))
     step = 0
     while pending or serving.has_work():
@@ -353,17 +360,15 @@ def test_random_traces_finish_with_solo_tokens_and_an_empty_arena(
             try:
                 handles.append((serving.submit(ids, n), ids, n))
             except InvalidArgumentError:
-                # Too large for this arena even alone: refused up front, by the documented rule.
                 need = max(serving.admission_bytes(len(ids)), serving.lifetime_bytes(len(ids), n))
                 assert need > serving.arena.capacity_bytes
         pending = [item for item in pending if item[0] > step]
         serving.step()
+        if after_step is not None:
+            after_step()
         step += 1
-        assert step < 2000, "the engine made no progress"
-    for handle, ids, n in handles:
-        assert handle.output_ids == solo(model, spec_name, ids, n)
-    assert serving.arena.bytes_used == 0
-    serving.arena.check_invariants()
+        assert step < max_steps, "the engine made no progress"
+    return handles
 
 
 def test_stream_yields_every_token_in_order(model):

@@ -11,7 +11,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvstack.arena import KVArena
 from kvstack.errors import InvalidArgumentError
@@ -30,9 +29,11 @@ from spec_tests.test_serve_engine import (
     PREFILL_CHUNK,
     TINY,
     count_paged_attention,
+    drive,
     prompt,
     solo,
 )
+from spec_tests.tiny import tiny_serving_llama
 
 pytestmark = pytest.mark.usefixtures("reference_attention")
 
@@ -44,10 +45,7 @@ SHORT_WAIT = 4  # a fairness bound the tiny traces reach
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**TINY)).eval()
-    model.generation_config.eos_token_id = None
-    return model
+    return tiny_serving_llama(max_position_embeddings=1024)  # test_serve_engine's model
 
 
 def swapping_engine(model, capacity: int, swap_bytes, **kwargs) -> Engine:
@@ -176,17 +174,8 @@ def test_random_traces_with_swapping_finish_with_solo_tokens_and_empty_tiers(
         rule=PageAwareRule(SHORT_WAIT) if rule == "page_aware_short_wait" else RULES[rule](),
     )
     requests = [(prompt(p, seed + i), n) for i, (p, n) in enumerate(lengths)]
-    handles, pending = [], list(zip(arrivals, requests, strict=False))
-    step = 0
-    while pending or serving.has_work():
-        for _, (ids, n) in [item for item in pending if item[0] <= step]:
-            try:
-                handles.append((serving.submit(ids, n), ids, n))
-            except InvalidArgumentError:
-                need = max(serving.admission_bytes(len(ids)), serving.lifetime_bytes(len(ids), n))
-                assert need > serving.arena.capacity_bytes
-        pending = [item for item in pending if item[0] > step]
-        serving.step()
+
+    def check_tiers() -> None:
         # Nothing swapped holds arena pages; the host holds exactly the swapped requests' pages.
         swapped = [r for r in serving.running if r.swapped is not None]
         assert all(r.cache is None for r in swapped)
@@ -197,8 +186,11 @@ def test_random_traces_with_swapping_finish_with_solo_tokens_and_empty_tiers(
             for request in serving.running:
                 since = max(request.last_scheduled_step, request.admitted_at_step)
                 assert serving._step - since <= SHORT_WAIT + len(lengths) + 1
-        step += 1
-        assert step < 3000, "the engine made no progress"
+
+    fed = count_computed_tokens(serving)
+    handles = drive(serving, requests, arrivals, check_tiers)
+    if not serving.swap.stats.refused_out:  # every preemption swapped: nothing recomputed
+        assert sum(fed) == sum(len(ids) + n - 1 for _, ids, n in handles)
     for handle, ids, n in handles:
         assert handle.output_ids == solo(model, "paged", ids, n)
     stats = serving.swap.stats
@@ -223,6 +215,49 @@ def test_the_page_aware_rule_fetches_no_more_than_fifo_or_round_robin(model):
     assert fetched["fifo"] > 0 and fetched["round_robin"] > 0
     assert fetched["page_aware"] <= fetched["fifo"]
     assert fetched["page_aware"] < fetched["round_robin"]
+
+
+def test_a_swap_in_whose_copy_fails_changes_nothing(model, monkeypatch):
+    requests = [(prompt(12 + i, seed=10 + i), 40) for i in range(4)]
+    serving = swapping_engine(model, 20 * BLOCK_BYTES, "1MiB")
+    handles = [serving.submit(ids, n) for ids, n in requests]
+    while not serving.swap.stats.swaps_out:
+        serving.step()
+    swapped = next(h for h in handles if h.swapped is not None)
+    used, held = serving.arena.bytes_used, serving.swap.bytes_used
+
+    def failing_copy(*args, **kwargs):
+        raise RuntimeError("injected copy failure")
+
+    # The swap-in's first page copy fails: its new pages go back, the host copy stays.
+    swap_in = serving.swap.swap_in
+
+    def swap_in_failing(source, store):
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.Tensor, "copy_", failing_copy)
+            swap_in(source, store)
+
+    monkeypatch.setattr(serving.swap, "swap_in", swap_in_failing)
+    with pytest.raises(RuntimeError, match="injected copy failure"):
+        serving._swap_in(swapped)
+    assert swapped.swapped is not None and swapped.cache is None
+    assert serving.arena.bytes_used == used and serving.swap.bytes_used == held
+    monkeypatch.undo()
+    serving.run()
+    assert [h.output_ids for h in handles] == [solo(model, "paged", i, n) for i, n in requests]
+    assert serving.arena.bytes_used == 0 and serving.swap.bytes_used == 0
+
+
+def test_a_rule_that_names_a_victim_it_was_not_offered_is_refused(model):
+    class Wrong(PageAwareRule):
+        def choose_victim(self, candidates):
+            return _work(99, 0).request
+
+    serving = swapping_engine(model, 20 * BLOCK_BYTES, "1MiB", rule=Wrong())
+    for i in range(4):
+        serving.submit(prompt(12 + i, seed=10 + i), 40)
+    with pytest.raises(InvalidArgumentError, match="choose_victim returned"):
+        serving.run()
 
 
 # ----------------------------------------------------------------- the rules, alone

@@ -19,3 +19,15 @@ def tiny_llama_config(**overrides: Any):
     from transformers import LlamaConfig
 
     return LlamaConfig(**{**TINY_LLAMA, **overrides})
+
+
+def tiny_serving_llama(**overrides: Any):
+    """The tiny Llama the serving tests run: seeded weights (seed 0), eval mode, and no EOS id,
+    since the engine ends a request only at the stop ids it is given (so ``generate`` does too)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config(**overrides)).eval()
+    model.generation_config.eos_token_id = None
+    return model

@@ -97,7 +97,7 @@ def check_step_time_target(value: float | None) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1e9:
         raise InvalidArgumentError(
-            f"step_time_target must be a positive number of seconds or None, got {value!r}"
+            f"step_time_target must be seconds in (0, 1e9) or None, got {value!r}"
         )
     return float(value)
 

@@ -535,10 +535,12 @@ class Engine:
         batch = self._choose_batch()
         if not batch:
             return []
+        # Swapped requests' pages come back first: a swap-in that fails changes nothing (its
+        # request stays swapped) and the ones before it are whole, so the error goes up as is.
+        for work in batch:
+            if work.request.swapped is not None:
+                self._swap_in(work.request)
         try:
-            for work in batch:
-                if work.request.swapped is not None:
-                    self._swap_in(work.request)
             started = time.perf_counter()
             logits = self._forward_each(batch) if self.hybrid else self._forward(batch)
             seconds = time.perf_counter() - started
@@ -546,7 +548,6 @@ class Engine:
             # Some layers may hold this step's K/V and others not: no cache of the step can be
             # continued. Each of its requests recomputes (its tokens are kept), and an error
             # the engine cannot absorb is raised with the engine consistent.
-            # A request still in the swap tier is untouched: its host copy is whole.
             for work in batch:
                 if work.request.cache is not None:
                     self._preempt(work.request, swap=False)
@@ -652,15 +653,7 @@ class Engine:
             ordered = self.rule.order(offers, self._step)
             budget = self.max_batch_tokens
             if self.step_time_target is not None:
-                # Stall-free batching: every decode token, then the rest in the rule's order.
-                decodes = [work for work in ordered if work.kind == "decode"]
-                ordered = decodes + [work for work in ordered if work.kind != "decode"]
-                # Room for one chunk beside the decodes, whatever the target: prefill always
-                # progresses (a whole chunk for an evicting cache, a block's worth otherwise).
-                chunk = self.prefill_chunk if self.spec.evicting else self.spec.block_size
-                budget = len(decodes) + self.step_times.prefill_budget(
-                    self.step_time_target, len(decodes), chunk, self.max_batch_tokens
-                )
+                ordered, budget = self._adaptive_order(ordered)
             batch = fill_batch(ordered, budget)
             if self._batch_fits(batch):
                 return batch
@@ -677,13 +670,39 @@ class Engine:
                 return batch[:1]
             self._preempt(self._victim(victims))
 
+    def _adaptive_order(self, ordered: list[Work]) -> tuple[list[Work], int]:
+        """Adaptive chunking's step: every decode token first (stall-free batching), then the
+        rest in the rule's order, within the decodes plus the prefill tokens the fitted step
+        costs allow for the target. The first prefill piece always fits: at least its smallest
+        cut (a block of a lossless prefill, a whole evicting chunk or hybrid prompt). Where the
+        decodes leave no room for it under ``max_batch_tokens``, the step is the rule's order
+        as without a target, so no prefill waits for every decode to finish."""
+        decodes = [work for work in ordered if work.kind == "decode"]
+        rest = [work for work in ordered if work.kind != "decode"]
+        if not rest:
+            return decodes, self.max_batch_tokens
+        first = rest[0]
+        floor = min(first.tokens, self.spec.block_size) if first.flexible else first.tokens
+        if len(decodes) + floor > self.max_batch_tokens:
+            return ordered, self.max_batch_tokens
+        prefill = self.step_times.prefill_budget(
+            self.step_time_target, len(decodes), floor, self.max_batch_tokens
+        )
+        return decodes + rest, len(decodes) + prefill
+
     def _victim(self, candidates: list[Request]) -> Request:
         """Whom to preempt: the newest request (it loses the least work when recomputed), or
         with a swap tier the rule's choice where it makes one (``choose_victim``: a swapped
         request loses no work, so the rule may weigh the bytes instead)."""
         choose = getattr(self.rule, "choose_victim", None)
         if self.swap is not None and choose is not None:
-            return choose(candidates)
+            victim = choose(candidates)
+            if not any(victim is candidate for candidate in candidates):
+                raise InvalidArgumentError(
+                    f"{self.rule!r}.choose_victim returned {victim!r}, which is not one of the "
+                    f"requests it was offered ({[r.id for r in candidates]})"
+                )
+            return victim
         return max(candidates, key=lambda request: request.id)
 
     def _batch_fits(self, batch: list[Work]) -> bool:

@@ -76,7 +76,9 @@ class PageAwareRule:
 
     def order(self, work: Sequence[Work], step: int) -> list[Work]:
         def key(w: Work) -> tuple:
-            overdue = step - w.request.last_scheduled_step > self.max_wait
+            # Waiting since it last ran, or since it was admitted if it never has.
+            since = max(w.request.last_scheduled_step, w.request.admitted_at_step or 0)
+            overdue = step - since > self.max_wait
             fetch = 0 if overdue else w.fetch_bytes
             return (not overdue, fetch, w.request.last_scheduled_step, w.request.id)
 

@@ -96,11 +96,15 @@ class HostSwap:
             return None
         started = time.perf_counter()
         source, target = self.device_arena.buffer, self.arena.buffer
-        with torch.no_grad():
-            for device_page, host_page in zip(store.pages[:count], swapped.pages, strict=True):
-                target[host_page.offset : host_page.end].copy_(
-                    source[device_page.offset : device_page.end]
-                )
+        try:
+            with torch.no_grad():
+                for device_page, host_page in zip(store.pages[:count], swapped.pages, strict=True):
+                    target[host_page.offset : host_page.end].copy_(
+                        source[device_page.offset : device_page.end]
+                    )
+        except BaseException:
+            self.free(swapped)  # the device pages are untouched: nothing moved
+            raise
         self.stats.copy_seconds += time.perf_counter() - started
         moved = swapped.nbytes
         store.release()  # only now: the host copy is complete
@@ -117,11 +121,15 @@ class HostSwap:
         store.reserve(swapped.tokens)  # all or none
         started = time.perf_counter()
         source, target = self.arena.buffer, self.device_arena.buffer
-        with torch.no_grad():
-            for host_page, device_page in zip(swapped.pages, store.pages, strict=True):
-                target[device_page.offset : device_page.end].copy_(
-                    source[host_page.offset : host_page.end]
-                )
+        try:
+            with torch.no_grad():
+                for host_page, device_page in zip(swapped.pages, store.pages, strict=True):
+                    target[device_page.offset : device_page.end].copy_(
+                        source[host_page.offset : host_page.end]
+                    )
+        except BaseException:
+            store.release()  # the host copy is untouched: the request stays swapped
+            raise
         self.stats.copy_seconds += time.perf_counter() - started
         store.tokens = swapped.tokens
         fetched = swapped.nbytes
