@@ -54,6 +54,17 @@ def swapping_engine(model, capacity: int, swap_bytes, **kwargs) -> Engine:
     return Engine(model, KVArena(capacity), cache=CacheSpec(), swap_bytes=swap_bytes, **kwargs)
 
 
+def run_until_a_swap(model):
+    """Four requests that outgrow a 20-block arena, stepped until one is swapped out: the
+    engine, the (ids, new tokens) requests and their handles."""
+    requests = [(prompt(12 + i, seed=10 + i), 40) for i in range(4)]
+    serving = swapping_engine(model, 20 * BLOCK_BYTES, "1MiB")
+    handles = [serving.submit(ids, n) for ids, n in requests]
+    while not serving.swap.stats.swaps_out:
+        serving.step()
+    return serving, requests, handles
+
+
 def count_computed_tokens(engine: Engine) -> list[int]:
     """Wrap the engine's forward: the list gets the tokens each step feeds the model."""
     fed: list[int] = []
@@ -101,10 +112,7 @@ def test_a_host_tier_too_small_falls_back_to_recomputing(model):
 
 
 def test_a_swapped_request_is_offered_as_not_resident_with_its_bytes(model):
-    serving = swapping_engine(model, 20 * BLOCK_BYTES, "1MiB")
-    handles = [serving.submit(prompt(12 + i, seed=10 + i), 40) for i in range(4)]
-    while not serving.swap.stats.swaps_out:
-        serving.step()
+    serving, _, handles = run_until_a_swap(model)
     swapped = [h for h in handles if h.swapped is not None]
     assert swapped and all(h in serving.running and h.cache is None for h in swapped)
     assert "swapped" in repr(swapped[0])
@@ -120,11 +128,7 @@ def test_a_swapped_request_is_offered_as_not_resident_with_its_bytes(model):
 
 
 def test_an_error_mid_step_keeps_swapped_pages_and_recomputes_the_rest(model, monkeypatch):
-    requests = [(prompt(12 + i, seed=10 + i), 40) for i in range(4)]
-    serving = swapping_engine(model, 20 * BLOCK_BYTES, "1MiB")
-    handles = [serving.submit(ids, n) for ids, n in requests]
-    while not serving.swap.stats.swaps_out:
-        serving.step()
+    serving, requests, handles = run_until_a_swap(model)
     swapped = [h for h in handles if h.swapped is not None]
     held = serving.swap.bytes_used
     assert swapped and held
@@ -218,11 +222,7 @@ def test_the_page_aware_rule_fetches_no_more_than_fifo_or_round_robin(model):
 
 
 def test_a_swap_in_whose_copy_fails_changes_nothing(model, monkeypatch):
-    requests = [(prompt(12 + i, seed=10 + i), 40) for i in range(4)]
-    serving = swapping_engine(model, 20 * BLOCK_BYTES, "1MiB")
-    handles = [serving.submit(ids, n) for ids, n in requests]
-    while not serving.swap.stats.swaps_out:
-        serving.step()
+    serving, requests, handles = run_until_a_swap(model)
     swapped = next(h for h in handles if h.swapped is not None)
     used, held = serving.arena.bytes_used, serving.swap.bytes_used
 
