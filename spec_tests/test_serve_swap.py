@@ -248,6 +248,17 @@ def test_a_swap_in_whose_copy_fails_changes_nothing(model, monkeypatch):
     assert serving.arena.bytes_used == 0 and serving.swap.bytes_used == 0
 
 
+def test_swapping_into_a_store_that_holds_tokens_is_refused_and_changes_nothing(model):
+    serving, _, handles = run_until_a_swap(model)
+    swapped = next(h for h in handles if h.swapped is not None)
+    occupied = next(h for h in handles if h.cache is not None and h.cache.tokens)
+    used, held = serving.arena.bytes_used, serving.swap.bytes_used
+    with pytest.raises(InvalidArgumentError, match="store must be empty"):
+        serving.swap.swap_in(swapped.swapped, occupied.cache)
+    assert serving.arena.bytes_used == used and serving.swap.bytes_used == held
+    assert swapped.swapped.nbytes and occupied.cache.tokens
+
+
 def test_a_rule_that_names_a_victim_it_was_not_offered_is_refused(model):
     class Wrong(PageAwareRule):
         def choose_victim(self, candidates):
