@@ -187,8 +187,9 @@ class TokenTableBatch:
             )
         columns = indices[:, None]  # [N, 1]
         slots = self.slots.gather(1, columns)  # [N, 1]
-        if not release:  # Naive-Evict keeps the slots of dead tokens: ask liveness itself
-            slots = slots.masked_fill(~self.alive.gather(1, columns), -1)
+        # Liveness decides, not the slot: Naive-Evict (release=False) keeps the slots of dead
+        # tokens, so a token evicted that way still has one and must not be evicted again.
+        slots = slots.masked_fill(~self.alive.gather(1, columns), -1)
         released = slots[:, 0].tolist()
         if -1 in released:
             dead = [i for i, slot in enumerate(released) if slot == -1]
