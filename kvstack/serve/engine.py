@@ -265,6 +265,7 @@ class Engine:
         stop_ids: Iterable[int] | None = None,
         sampling: Sampling | None = None,
         prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        keep_kv: bool = False,
     ) -> Request:
         """Queue a request (its prompt ``input_ids``: a list of ids or a [T] / [1, T] tensor)
         and return its handle. Refused, with nothing queued, when even alone it could never fit
@@ -276,7 +277,12 @@ class Engine:
         are written into the request's pages when it is admitted (and again after a preemption)
         and only the rest of the prompt is computed. The engine reads them then: leave them
         unchanged until the request is done. Lossless caches on models whose layers are all
-        full attention only."""
+        full attention only.
+
+        ``keep_kv``: when the request finishes (stop or length), copy its K/V out of the arena
+        before its pages are freed, as ``request.kept_kv`` (the same layout as ``prefix_kv``):
+        a conversation's next turn reuses them instead of computing its history again. The
+        same caches only."""
         prompt = token_ids("input_ids", input_ids)
         vocab = self.model.config.get_text_config(decoder=True).vocab_size
         if max(prompt) >= vocab:
@@ -303,6 +309,12 @@ class Engine:
             )
         if prefix_kv is not None:
             prefix_kv = self._check_prefix_kv(prefix_kv, len(prompt))
+        if keep_kv and not self._stacked:
+            raise InvalidArgumentError(
+                f"keep_kv needs the lossless cache (CacheSpec()) on a model whose layers are all "
+                f"full attention, in the kvstack layout; this engine runs {self.spec} in the "
+                f"{self.layout.name} layout" + (" on a hybrid model" if self.hybrid else "")
+            )
         request = Request(
             id=self._next_id,
             prompt_ids=prompt,
@@ -311,6 +323,7 @@ class Engine:
             sampling=sampling,
             stats=RequestStats(submitted_at=time.perf_counter()),
             prefix_kv=prefix_kv,
+            keep_kv=bool(keep_kv),
         )
         self._next_id += 1
         self._waiting.append(request)
@@ -376,6 +389,20 @@ class Engine:
                 value_cache.view(rows).index_copy_(0, layer_slots, values[layer])
         store.tokens = count
         request.computed = count
+
+    def _copy_kv_out(self, request: Request) -> None:
+        """``request.kept_kv``: its store's K/V for every token it computed, copied out of the
+        arena (the inverse of ``_load_prefix``)."""
+        store = request.cache
+        slots = store.base_slots(0, store.tokens)  # [n]: layer 0's; layer l adds l * block_size
+        key_cache, value_cache = store.key_value()
+        heads, head_dim = self._probe.expected_kv_heads, self._probe.expected_head_dim
+        rows = (-1, heads, head_dim)  # the arena as [S, H_kv, D]
+        per_layer = [slots + layer * store.block_size for layer in range(len(self._layer_index))]
+        with torch.no_grad():
+            keys = torch.stack([key_cache.view(rows).index_select(0, s) for s in per_layer])
+            values = torch.stack([value_cache.view(rows).index_select(0, s) for s in per_layer])
+        request.kept_kv = (keys, values)
 
     def cancel(self, request: Request) -> bool:
         """Stop ``request`` and return its pages; False if it had already finished."""
@@ -901,6 +928,8 @@ class Engine:
     def _finish_running(self, request: Request, reason: str) -> None:
         self._track_peak(request)
         self._running.remove(request)
+        if request.keep_kv and request.cache is not None:
+            self._copy_kv_out(request)
         self._drop_cache(request)
         self._finish(request, reason)
 

@@ -129,6 +129,12 @@ class Request:
     # and values [L, n, H_kv, D], keys rotated at positions 0..n-1. Written into the cache at
     # admission (again after a preemption) instead of computed.
     prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    # ``Engine.submit(keep_kv=True)``: when it finishes (stop or length), the K/V its cache
+    # held, copied out before its pages are freed: keys and values [L, n, H_kv, D] for its
+    # prompt and all outputs but the last (never fed back, so never computed). A conversation's
+    # next turn passes them as ``prefix_kv`` (``kvstack.tiers.TurnStore`` keeps them between).
+    keep_kv: bool = False
+    kept_kv: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     def __repr__(self) -> str:
         state = self.finish_reason or (
