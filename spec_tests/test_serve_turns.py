@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers import DynamicCache
 
 from kvstack.arena import KVArena
 from kvstack.errors import InvalidArgumentError
 from kvstack.policies import H2O
 from kvstack.serve import CacheSpec, Engine
+from kvstack.tiers import CostAware, TailFirstLRU, TurnStore
 from spec_tests.test_serve_engine import BLOCK_BYTES, prompt
 from spec_tests.tiny import tiny_serving_llama
 
@@ -91,3 +94,207 @@ def test_keep_kv_on_an_evicting_cache_is_refused_and_changes_nothing(model):
     with pytest.raises(InvalidArgumentError, match="keep_kv needs the lossless cache"):
         engine.submit(prompt(20, seed=3), 4, keep_kv=True)
     assert not engine.has_work()
+
+
+# --------------------------------------------------------------------------- TurnStore
+PAGE = 16  # tokens per page of the store, the engine's block size
+
+
+def page_bytes(model) -> int:
+    """One TurnStore page of the tiny model: K and V of 2 layers x 16 tokens x 2 heads x 16."""
+    return 2 * model.config.num_hidden_layers * PAGE * 2 * 16 * 4
+
+
+def converse(model, turns, store: TurnStore | None, capacity_blocks: int = 64, after_turn=None):
+    """Run ``turns`` ((conversation, new message ids, new tokens[, tokens of its history kept])
+    in order) one at a time on one engine; with a store, each through ``TurnStore.submit`` /
+    ``save_turn``, else with the whole prompt computed. A turn that keeps fewer tokens of its
+    history rewrites it (a user who edits an earlier message). Returns each turn's outputs."""
+    engine = serving(model, capacity_blocks * BLOCK_BYTES)
+    history: dict[str, list[int]] = {}
+    outputs = []
+    for conversation, message, new_tokens, *kept in turns:
+        ids = history.get(conversation, [])[: kept[0] if kept else None] + message
+        if store is None:
+            handle = engine.submit(ids, new_tokens)
+        else:
+            handle = store.submit(engine, conversation, ids, new_tokens)
+        engine.run()
+        if store is not None:
+            store.save_turn(conversation, handle)
+            store.store.check()
+            assert store.bytes_held() <= store.store.capacity["host"] + store.store.capacity["disk"]
+        history[conversation] = ids + handle.output_ids
+        outputs.append(handle.output_ids)
+        if after_turn is not None:
+            after_turn(engine, handle)
+    assert engine.arena.bytes_used == 0
+    return outputs
+
+
+def three_conversations(turns_each: int = 3) -> list[tuple[str, list[int], int]]:
+    turns = []
+    for turn in range(turns_each):
+        for index, name in enumerate(("ann", "ben", "cy")):
+            turns.append((name, prompt(9 + 5 * index + 3 * turn, seed=100 * index + turn), 12))
+    return turns
+
+
+def test_with_room_for_everything_every_turn_reuses_its_whole_history(model):
+    store = TurnStore(model, host_bytes=64 * page_bytes(model))
+    reused_before = []
+
+    def check(engine, handle):
+        reused_before.append(store.stats.reused_tokens)
+
+    outputs = converse(model, three_conversations(), store, after_turn=check)
+    assert outputs == converse(model, three_conversations(), None)
+    assert store.stats.recomputed_tokens == store.stats.missed_tokens == 0
+    assert not store.store.dropped
+    # Each later turn read every whole page of its conversation so far.
+    assert store.stats.reused_tokens > 0 and reused_before[3] > reused_before[2]
+
+
+@pytest.mark.parametrize("rule", [TailFirstLRU(), CostAware()], ids=["lru", "cost"])
+def test_a_small_budget_drops_pages_and_every_turn_still_makes_the_same_tokens(model, rule):
+    store = TurnStore(model, host_bytes=5 * page_bytes(model), rule=rule)
+    outputs = converse(model, three_conversations(4), store)
+    assert outputs == converse(model, three_conversations(4), None)
+    assert store.store.drops > 0
+    assert store.stats.reused_tokens > 0
+
+
+@settings(
+    max_examples=6,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    turns=st.lists(
+        st.tuples(
+            st.sampled_from(["ann", "ben", "cy"]),
+            st.integers(1, 30),  # new message tokens
+            st.integers(1, 12),  # new tokens
+            st.one_of(st.none(), st.integers(0, 60)),  # None: the whole history; else kept
+            st.integers(0, 10_000),  # the message's seed
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+    host_pages=st.integers(1, 12),
+    rule=st.sampled_from(["lru", "cost"]),
+)
+def test_random_turns_make_the_tokens_of_computing_every_prompt(model, turns, host_pages, rule):
+    drawn = [
+        (name, prompt(length, seed=seed), new, *([] if kept is None else [kept]))
+        for name, length, new, kept, seed in turns
+    ]
+    chosen = TailFirstLRU() if rule == "lru" else CostAware()
+    store = TurnStore(model, host_bytes=host_pages * page_bytes(model), rule=chosen)
+    assert converse(model, drawn, store, capacity_blocks=128) == converse(
+        model, drawn, None, capacity_blocks=128
+    )
+    stats = store.stats
+    assert stats.lookups == len(drawn)
+    assert stats.reused_tokens % PAGE == stats.recomputed_tokens % PAGE == 0
+
+
+def test_a_hole_is_recomputed_to_the_kv_of_prefilling_its_tokens(model):
+    store = TurnStore(model, host_bytes=64 * page_bytes(model))
+    engine = serving(model)
+    ids = prompt(70, seed=7)
+    handle = store.submit(engine, "ann", ids, 10)
+    engine.run()
+    store.save_turn("ann", handle)
+    history = ids + handle.output_ids[:-1]  # 79 tokens computed: 4 whole pages
+    for index in (0, 2):  # holes at the head and in the middle; page 3 is held
+        store.store.drop(f"ann.{index}")
+    following = ids + handle.output_ids + prompt(5, seed=8)
+    keys, values = store.prefix_kv("ann", following)
+    expected_keys, expected_values = prefill_kv(model, history[: 4 * PAGE])
+    torch.testing.assert_close(keys, expected_keys, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(values, expected_values, rtol=1e-5, atol=1e-5)
+    assert store.stats.recomputed_tokens == 2 * PAGE
+    assert store.stats.reused_tokens == 2 * PAGE
+
+
+def test_dropped_tail_pages_are_left_to_the_engine(model):
+    store = TurnStore(model, host_bytes=64 * page_bytes(model))
+    engine = serving(model)
+    ids = prompt(70, seed=7)
+    handle = store.submit(engine, "ann", ids, 10)
+    engine.run()
+    store.save_turn("ann", handle)
+    for index in (2, 3):
+        store.store.drop(f"ann.{index}")
+    keys, _ = store.prefix_kv("ann", ids + handle.output_ids + [5])
+    assert keys.shape[1] == 2 * PAGE
+    assert store.stats.missed_tokens == 2 * PAGE and store.stats.recomputed_tokens == 0
+    store.store.drop("ann.0")
+    store.store.drop("ann.1")
+    assert store.prefix_kv("ann", ids + handle.output_ids + [5]) is None
+
+
+def test_the_rules_drop_the_tail_first_lru_and_the_head_first_cost_aware(model):
+    engine = serving(model)
+    handles = [engine.submit(prompt(80, seed=9 + i), 4, keep_kv=True) for i in range(2)]
+    engine.run()  # each kept 83 tokens: 5 whole pages
+    dropped = {}
+    for name, rule in (("lru", TailFirstLRU()), ("cost", CostAware())):
+        store = TurnStore(model, host_bytes=8 * page_bytes(model), rule=rule)
+        store.save_turn("ann", handles[0])
+        store.save_turn("ben", handles[1])  # 2 of the 10 pages must go
+        dropped[name] = sorted(store.store.dropped)
+    assert dropped["lru"] == ["ann.3", "ann.4"]  # the older conversation, its tail first
+    assert dropped["cost"] == ["ann.0", "ann.1"]  # the earliest positions: cheapest to recompute
+
+
+def test_a_corrupt_disk_page_is_dropped_and_recomputed(model, tmp_path):
+    store = TurnStore(
+        model,
+        host_bytes=page_bytes(model),
+        disk_path=tmp_path,
+        disk_bytes=64 * page_bytes(model),
+        rule=TailFirstLRU(),
+    )
+    engine = serving(model)
+    ids = prompt(70, seed=7)
+    handle = store.submit(engine, "ann", ids, 10)
+    engine.run()
+    store.save_turn("ann", handle)
+    on_disk = [key for key, info in store.store.pages.items() if info.home == "disk"]
+    assert on_disk
+    victim = next(tmp_path.glob(f"{sorted(on_disk)[0]}*"))
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    following = ids + handle.output_ids + prompt(5, seed=8)
+    keys, values = store.prefix_kv("ann", following)
+    expected_keys, _ = prefill_kv(model, (ids + handle.output_ids)[: keys.shape[1]])
+    torch.testing.assert_close(keys, expected_keys, rtol=1e-5, atol=1e-5)
+    assert sorted(on_disk)[0] in store.store.dropped
+
+
+def test_bad_turn_store_input_is_refused_and_changes_nothing(model):
+    store = TurnStore(model, host_bytes=8 * page_bytes(model))
+    engine = serving(model)
+    handle = engine.submit(prompt(40, seed=1), 4, keep_kv=True)
+    plain = engine.submit(prompt(20, seed=2), 4)
+    engine.run()
+    store.save_turn("ann", handle)
+    before = (dict(store.conversations), set(store.store.pages), store.bytes_held())
+    keys, values = handle.kept_kv
+    computed = handle.prompt_ids + handle.output_ids[:-1]
+    with pytest.raises(InvalidArgumentError, match=r"kv is .*expected \(keys, values\)"):
+        store.save("ben", computed[:-1], handle.kept_kv)  # one token id short
+    with pytest.raises(InvalidArgumentError, match="expected \\(keys, values\\)"):
+        store.save("ben", computed, (keys.double(), values.double()))
+    with pytest.raises(InvalidArgumentError, match="conversation=''"):
+        store.save("", computed, handle.kept_kv)
+    with pytest.raises(InvalidArgumentError, match="not usable as a file name"):
+        store.prefix_kv("a/b", computed)
+    with pytest.raises(InvalidArgumentError, match="kept no K/V"):
+        store.save_turn("ben", plain)
+    assert (dict(store.conversations), set(store.store.pages), store.bytes_held()) == before
+    with pytest.raises(InvalidArgumentError, match="cannot hold one page"):
+        TurnStore(model, host_bytes=page_bytes(model) - 1)

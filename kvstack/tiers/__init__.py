@@ -7,6 +7,8 @@
   (``eviction``).
 * ``Prefetcher``: the next layer's pages fetched on worker threads while a layer computes.
 * ``TieredCache``: a lossless Hugging Face cache over the tiers.
+* ``TurnStore``: conversations' K/V between their turns on the engine, evicted without loss
+  (``turns``).
 * The ``"kvstack_tiers"`` attention (registered on import): sdpa's outputs, plus the attention
   scores that place pages at prefill and feed the attention-aware rule (``attention``).
 """
@@ -17,6 +19,7 @@ from kvstack.tiers.disk import DiskTier, decode_page, encode_page, page_nbytes
 from kvstack.tiers.eviction import LRU, RULES, TIERS, AttentionAware, CostAware, PageInfo
 from kvstack.tiers.prefetch import Prefetcher
 from kvstack.tiers.store import TieredStore
+from kvstack.tiers.turns import TailFirstLRU, TurnStats, TurnStore
 
 register()
 
@@ -29,10 +32,13 @@ __all__ = [
     "CostAware",
     "DiskTier",
     "PageInfo",
+    "TailFirstLRU",
     "Prefetcher",
     "TieredCache",
     "TieredLayer",
     "TieredStore",
+    "TurnStats",
+    "TurnStore",
     "decode_page",
     "encode_page",
     "key_attention_mass",

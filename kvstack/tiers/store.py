@@ -100,7 +100,7 @@ class TieredStore:
         self.drops = 0  # pages dropped so far
         # Pages being copied: the room their copy needs may demote them, never drop them.
         self._copying: set[str] = set()
-        self.clock = 0  # advanced by every read: the rules' notion of time
+        self.clock = 0  # advanced by every read (and ``tick``): the rules' notion of time
         self.bytes_moved: Counter[str] = Counter()  # "device->host" -> bytes
         self.hits: Counter[str] = Counter()  # tier that served a read -> reads
         self.lock = threading.RLock()
@@ -197,6 +197,14 @@ class TieredStore:
         """``touch`` of every key, in order, under one lock."""
         for key in keys:
             self.touch(key, tier)
+
+    @_locked
+    def tick(self) -> int:
+        """Advance the clock without a read: an event the rules should see as later than every
+        read and write before it (``TurnStore`` ticks once per turn it saves, so pages saved
+        later are newer). Returns the new time."""
+        self.clock += 1
+        return self.clock
 
     @_locked
     def touch(self, key: str, tier: str) -> None:
