@@ -12,7 +12,8 @@ TRANSFORMERS_OLDEST := 5.17.0
 OLDEST := $(VENV)/transformers-$(TRANSFORMERS_OLDEST)
 HF_TESTS := spec_tests/test_hf_paged.py spec_tests/test_hf_token_table_cache.py spec_tests/test_hf_headwise.py \
 	spec_tests/test_hf_smollm2.py spec_tests/test_hf_hybrid.py spec_tests/test_serve_engine.py \
-	spec_tests/test_tiered_cache.py spec_tests/test_tiers_recompute.py spec_tests/test_tiers_segments.py
+	spec_tests/test_tiered_cache.py spec_tests/test_tiers_recompute.py spec_tests/test_tiers_segments.py \
+	spec_tests/test_serve_turns.py
 
 .PHONY: install demo test bench figures lint clean cuda-check gpu-check kvpress-env vllm-env
 

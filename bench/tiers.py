@@ -66,8 +66,9 @@ what the device held at the end (tier bytes plus tails ÷ the KV).
   (preempted requests' pages copied to the host and back instead of recomputed) under the
   page-aware, FIFO and round-robin batch rules (``bench/tiers_engine.py`` says how).
 
-Not measured yet (``TieredCache`` is not under the engine): the cost-vs-LRU TTFT of a
-multi-turn trace on the engine.
+* ``tiers.ttft_ratio.cost_vs_lru`` and ``tiers.turns.*``: a multi-turn trace on the engine,
+  conversations' K/V kept between turns in a ``TurnStore`` of a fixed host budget, evicted by
+  LRU or the cost-aware rule (``bench/tiers_turns.py`` says how).
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ import torch
 
 from kvstack.bench.suite import CACHE_CODE, Figure, Measured, figure_table, format_value, run_suite
 from kvstack.bench.tiers_engine import measure_engine
+from kvstack.bench.tiers_turns import measure_turns
 from kvstack.bench.timing import time_interleaved
 from kvstack.tiers.attention import OBSERVATION_WINDOW
 
@@ -94,6 +96,7 @@ DEPENDS_ON = (
     "kvstack/workloads.py",
     "kvstack/data",
     "bench/tiers_engine.py",
+    "bench/tiers_turns.py",
     "bench/serve.py",  # its trace and arena sizing
     "kvstack/models.py",
     "kvstack/arena.py",  # parse_bytes
@@ -400,6 +403,8 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
     # Last: the engine sets the model's attention to its own.
     engine_figures, engine_workload = measure_engine(model, tokenizer, quick, log)
     figures.update(engine_figures)
+    turns_figures, turns_workload = measure_turns(model, tokenizer, quick, log)
+    figures.update(turns_figures)
     workload = {
         "model": MODEL_NAME,
         "dtype": "float32",
@@ -428,6 +433,7 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         "overflow_decode_tokens_per_second": overflow_speed,
         "runs": {name: rs[-1] | {"tokens": None} for name, rs in finished.items()},
         "engine": engine_workload,
+        "turns": turns_workload,
     }
     return Measured(
         figures=figures,
@@ -634,6 +640,22 @@ def readme_tables(results: dict) -> dict[str, str]:
             f"to a {format_value(e['step_time_target_s'] * 1e3, 'ms')} ms step "
             f"{format_value(speeds['adaptive'], 'tok/s')} (every request at once; medians of "
             f"{e['repeats']} interleaved rounds)."
+        )
+    if "turns" in w:
+        t = w["turns"]
+        ttft = t["mean_later_ttft_seconds"]
+        workload += (
+            f" Multi-turn runs: {t['conversations']} conversations, {t['turns']} turns served "
+            f"one at a time in a seeded interleaving (messages up to {t['max_message_tokens']} "
+            f"tokens, {t['new_tokens']} new tokens each), a TurnStore of "
+            f"{format_value(t['host_bytes'] / 2**20, 'MiB')} MiB "
+            f"({format_value(t['host_fraction'], 'fraction')} of the K/V of every whole "
+            f"conversation), pages of {t['block_size']} tokens; mean TTFT of later turns "
+            + ", ".join(f"{side} {format_value(v * 1e3, 'ms')} ms" for side, v in ttft.items())
+            + f" (medians of {t['repeats']} interleaved rounds); the cost model fitted here: "
+            f"{format_value(t['cost_model']['seconds_per_token'] * 1e6, 'us')} us per token + "
+            f"{format_value(t['cost_model']['seconds_per_token_per_context'] * 1e9, 'ns')} ns "
+            "per token per earlier token."
         )
     return {"tiers": figure_table(results, names) + "\n\n" + workload}
 

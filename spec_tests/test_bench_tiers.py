@@ -54,6 +54,13 @@ def test_the_quick_run_measures_every_figure_and_its_tiered_tokens_are_exact(qui
         "tiers.engine.adaptive_chunking.step_p95_ratio",
         "tiers.engine.adaptive_chunking.tpot_p95_ratio",
         "tiers.engine.adaptive_chunking.throughput_ratio",
+        "tiers.ttft_ratio.cost_vs_lru",
+        "tiers.turns.ttft_ratio.lru_vs_reprefill",
+        "tiers.turns.ttft_ratio.cost_vs_reprefill",
+        "tiers.turns.history_tokens_computed.reprefill",
+        "tiers.turns.history_tokens_computed.lru",
+        "tiers.turns.history_tokens_computed.cost",
+        "tiers.turns.tokens_equal_reprefill",
     }
     assert figures["tiers.tokens_equal_dynamic"].value == 1.0
     assert figures["tiers.recompute.tokens_equal_dynamic"].value == 1.0
@@ -88,6 +95,17 @@ def test_the_quick_run_measures_every_figure_and_its_tiered_tokens_are_exact(qui
         assert figures[f"tiers.engine.swaps.{name}"].value == run["swaps"]
     assert engine["runs"]["round_robin"]["swaps"] > 0
     assert engine["recompute_preemptions"] > 0
+    # The multi-turn runs: the store is too small for every conversation, so both rules drop
+    # pages, reuse some, and every turn still makes the tokens of re-prefilling its prompt.
+    assert figures["tiers.turns.tokens_equal_reprefill"].value == 1.0
+    turns = quick_run.workload["turns"]
+    for side in ("lru", "cost"):
+        stats = turns["store_stats"][side]
+        assert stats["drops"] > 0 and stats["reused_tokens"] > 0, side
+        assert (
+            figures[f"tiers.turns.history_tokens_computed.{side}"].value
+            < figures["tiers.turns.history_tokens_computed.reprefill"].value
+        )
 
 
 def test_kv_bytes_count_every_layer_k_and_v():
@@ -112,3 +130,4 @@ def test_the_readme_table_renders_from_the_results(quick_run):
     }
     table = readme_tables(results)["tiers"]
     assert "`tiers.decode_speed_ratio.device25`" in table and "Decode tokens/s" in table
+    assert "`tiers.ttft_ratio.cost_vs_lru`" in table and "Multi-turn runs" in table

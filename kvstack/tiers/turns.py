@@ -33,6 +33,7 @@ models whose layers are all full attention only (the engine's ``keep_kv`` and ``
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -268,11 +269,14 @@ class TurnStore:
                 )
         span = torch.tensor([ids[first * block : end * block]])  # [1, tokens]
         backbone = getattr(self.model, "base_model", self.model)  # only the K/V are needed
+        # transformers renamed past_key_values to cache (5.x); pass whichever it takes.
+        parameters = inspect.signature(type(backbone).forward).parameters
+        cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
         attention = self.model.config._attn_implementation
         self.model.set_attn_implementation("sdpa")  # the engine's attention needs its step
         try:
             with torch.no_grad():
-                backbone(input_ids=span, past_key_values=cache, use_cache=True)
+                backbone(input_ids=span, use_cache=True, **{cache_kwarg: cache})
         finally:
             self.model.set_attn_implementation(attention)
         for index in range(first, end):
