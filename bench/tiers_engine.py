@@ -63,6 +63,24 @@ REPEATS = 3
 ADAPTIVE_TARGET = 2.0
 
 
+def lossless_engine(model: Any, capacity: int, **kwargs: Any) -> tuple[Any, Any]:
+    """(arena, engine): a lossless ``CacheSpec()`` engine on a fresh arena of ``capacity``
+    bytes, with this benchmark's step budget and prefill chunk (``kwargs``: the rest)."""
+    from kvstack.arena import KVArena
+    from kvstack.serve import CacheSpec, Engine
+
+    arena = KVArena(capacity, dtype=next(model.parameters()).dtype)
+    engine = Engine(
+        model,
+        arena,
+        cache=CacheSpec(),
+        max_batch_tokens=MAX_BATCH_TOKENS,
+        prefill_chunk=PREFILL_CHUNK,
+        **kwargs,
+    )
+    return arena, engine
+
+
 def run_engine(
     model: Any,
     capacity: int,
@@ -74,20 +92,10 @@ def run_engine(
 ) -> dict[str, Any]:
     """One engine over the trace: each request submitted at its arrival step (an idle engine
     skips ahead to the next arrival); the arena and the host tier must be empty at the end."""
-    from kvstack.arena import KVArena
     from kvstack.bench.serve import percentile
-    from kvstack.serve import CacheSpec, Engine
 
-    arena = KVArena(capacity, dtype=next(model.parameters()).dtype)
-    engine = Engine(
-        model,
-        arena,
-        cache=CacheSpec(),
-        max_batch_tokens=MAX_BATCH_TOKENS,
-        prefill_chunk=PREFILL_CHUNK,
-        rule=rule,
-        swap_bytes=swap_bytes,
-        step_time_target=step_time_target,
+    arena, engine = lossless_engine(
+        model, capacity, rule=rule, swap_bytes=swap_bytes, step_time_target=step_time_target
     )
     order = sorted(range(len(requests)), key=lambda i: arrivals[i])
     handles: list[Any] = [None] * len(requests)

@@ -10,7 +10,8 @@ tokens, outputs of ``MAX_NEW``), its prompt is the conversation so far plus the 
 turns of all conversations are interleaved in a seeded random order and served one at a time,
 so a turn's time to first token is its own prefill, not a queue. The store's host budget is
 ``HOST_FRACTION`` of the K/V that every conversation's whole history would hold at its end; the
-engine's arena holds the longest turn alone.
+engine's arena holds the longest turn alone; its step budget and prefill chunk are the engine
+runs' (``bench/tiers_engine.py``).
 
 Three ways to serve the same turns, one after another in each of ``REPEATS`` interleaved
 rounds (fresh store and engine every run):
@@ -58,7 +59,6 @@ HOST_FRACTION = 0.3
 BLOCK_SIZE = 16  # tokens per page: the engine's block size
 TRACE_SEED = 0
 REPEATS = 3
-MAX_BATCH_TOKENS, PREFILL_CHUNK = 512, 128
 CALIBRATION_TOKENS, CALIBRATION_CONTEXT, QUICK_CALIBRATION_CONTEXT = 128, 1024, 64
 SIDES = ("reprefill", "lru", "cost")
 
@@ -94,17 +94,9 @@ def serve_turns(
 ) -> dict[str, Any]:
     """Serve ``turns`` one at a time on a fresh engine, through ``store`` (None: re-prefill).
     Returns each turn's TTFT and outputs, and whether it was a conversation's first."""
-    from kvstack.arena import KVArena
-    from kvstack.serve import CacheSpec, Engine
+    from kvstack.bench.tiers_engine import lossless_engine
 
-    arena = KVArena(capacity, dtype=next(model.parameters()).dtype)
-    engine = Engine(
-        model,
-        arena,
-        cache=CacheSpec(),
-        max_batch_tokens=MAX_BATCH_TOKENS,
-        prefill_chunk=PREFILL_CHUNK,
-    )
+    arena, engine = lossless_engine(model, capacity)
     history: dict[str, list[int]] = {}
     ttft, outputs, later = [], [], []
     for name, message, new in turns:

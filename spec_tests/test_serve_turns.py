@@ -199,13 +199,20 @@ def test_random_turns_make_the_tokens_of_computing_every_prompt(model, turns, ho
     assert stats.reused_tokens % PAGE == stats.recomputed_tokens % PAGE == 0
 
 
-def test_a_hole_is_recomputed_to_the_kv_of_prefilling_its_tokens(model):
-    store = TurnStore(model, host_bytes=64 * page_bytes(model))
+def saved_turn(model, store: TurnStore) -> tuple[list[int], object]:
+    """One turn of conversation "ann" (70 prompt tokens, 10 new) through ``store``: its prompt
+    ids and handle. It computed 79 tokens: 4 whole pages are saved."""
     engine = serving(model)
     ids = prompt(70, seed=7)
     handle = store.submit(engine, "ann", ids, 10)
     engine.run()
     store.save_turn("ann", handle)
+    return ids, handle
+
+
+def test_a_hole_is_recomputed_to_the_kv_of_prefilling_its_tokens(model):
+    store = TurnStore(model, host_bytes=64 * page_bytes(model))
+    ids, handle = saved_turn(model, store)
     history = ids + handle.output_ids[:-1]  # 79 tokens computed: 4 whole pages
     for index in (0, 2):  # holes at the head and in the middle; page 3 is held
         store.store.drop(f"ann.{index}")
@@ -220,11 +227,7 @@ def test_a_hole_is_recomputed_to_the_kv_of_prefilling_its_tokens(model):
 
 def test_dropped_tail_pages_are_left_to_the_engine(model):
     store = TurnStore(model, host_bytes=64 * page_bytes(model))
-    engine = serving(model)
-    ids = prompt(70, seed=7)
-    handle = store.submit(engine, "ann", ids, 10)
-    engine.run()
-    store.save_turn("ann", handle)
+    ids, handle = saved_turn(model, store)
     for index in (2, 3):
         store.store.drop(f"ann.{index}")
     keys, _ = store.prefix_kv("ann", ids + handle.output_ids + [5])
@@ -257,11 +260,7 @@ def test_a_corrupt_disk_page_is_dropped_and_recomputed(model, tmp_path):
         disk_bytes=64 * page_bytes(model),
         rule=TailFirstLRU(),
     )
-    engine = serving(model)
-    ids = prompt(70, seed=7)
-    handle = store.submit(engine, "ann", ids, 10)
-    engine.run()
-    store.save_turn("ann", handle)
+    ids, handle = saved_turn(model, store)
     on_disk = [key for key, info in store.store.pages.items() if info.home == "disk"]
     assert on_disk
     victim = next(tmp_path.glob(f"{sorted(on_disk)[0]}*"))
