@@ -162,6 +162,8 @@ def test_a_small_budget_drops_pages_and_every_turn_still_makes_the_same_tokens(m
     assert outputs == converse(model, three_conversations(4), None)
     assert store.store.drops > 0
     assert store.stats.reused_tokens > 0
+    if isinstance(rule, TailFirstLRU):  # a conversation's held pages stay a prefix: no holes
+        assert store.stats.recomputed_tokens == 0
 
 
 @settings(
@@ -197,6 +199,8 @@ def test_random_turns_make_the_tokens_of_computing_every_prompt(model, turns, ho
     stats = store.stats
     assert stats.lookups == len(drawn)
     assert stats.reused_tokens % PAGE == stats.recomputed_tokens % PAGE == 0
+    if rule == "lru":  # tail first: a conversation's held pages are always a prefix, no holes
+        assert stats.recomputed_tokens == 0
 
 
 def saved_turn(model, store: TurnStore) -> tuple[list[int], object]:
@@ -238,6 +242,18 @@ def test_dropped_tail_pages_are_left_to_the_engine(model):
     assert store.prefix_kv("ann", ids + handle.output_ids + [5]) is None
 
 
+def test_lru_keeps_a_conversations_head_across_its_turns(model):
+    # One conversation, 3 turns of 30-token messages and 12 new tokens, 3 pages of room: the
+    # turn's lookup reads the old pages before its save writes the new ones, yet all are the
+    # turn's, so LRU drops the tail and the next turn recomputes nothing.
+    store = TurnStore(model, host_bytes=3 * page_bytes(model), rule=TailFirstLRU())
+    turns = [("ann", prompt(30, seed=40 + turn), 12) for turn in range(3)]
+    assert converse(model, turns, store) == converse(model, turns, None)
+    assert store.store.drops > 0
+    assert store.stats.recomputed_tokens == 0
+    assert sorted(store.store.pages) == ["ann.0", "ann.1", "ann.2"]
+
+
 def test_the_rules_drop_the_tail_first_lru_and_the_head_first_cost_aware(model):
     engine = serving(model)
     handles = [engine.submit(prompt(80, seed=9 + i), 4, keep_kv=True) for i in range(2)]
@@ -274,7 +290,33 @@ def test_a_corrupt_disk_page_is_dropped_and_recomputed(model, tmp_path):
     assert sorted(on_disk)[0] in store.store.dropped
 
 
-def test_bad_turn_store_input_is_refused_and_changes_nothing(model):
+def test_a_save_that_fails_keeps_what_the_conversation_held_before(model, monkeypatch):
+    store = TurnStore(model, host_bytes=64 * page_bytes(model))
+    ids, handle = saved_turn(model, store)
+    held = (list(store.conversations["ann"]), sorted(store.store.pages))
+    engine = serving(model)
+    following = store.submit(engine, "ann", ids + handle.output_ids + prompt(40, seed=3), 6)
+    engine.run()
+    put = store.store.put
+    calls = []
+
+    def failing_put(key, page, **kwargs):
+        calls.append(key)
+        if len(calls) == 2:  # the second new page: the first is written already
+            raise OSError(28, "No space left on device")
+        return put(key, page, **kwargs)
+
+    monkeypatch.setattr(store.store, "put", failing_put)
+    with pytest.raises(OSError, match="No space left"):
+        store.save_turn("ann", following)
+    assert (store.conversations["ann"], sorted(store.store.pages)) == held
+    store.store.check()
+    monkeypatch.setattr(store.store, "put", put)
+    store.save_turn("ann", following)  # and the next save works
+    assert len(store.store.pages) > len(held[1])
+
+
+def test_bad_turn_store_input_is_refused_and_changes_nothing(model, tmp_path):
     store = TurnStore(model, host_bytes=8 * page_bytes(model))
     engine = serving(model)
     handle = engine.submit(prompt(40, seed=1), 4, keep_kv=True)
@@ -297,3 +339,10 @@ def test_bad_turn_store_input_is_refused_and_changes_nothing(model):
     assert (dict(store.conversations), set(store.store.pages), store.bytes_held()) == before
     with pytest.raises(InvalidArgumentError, match="cannot hold one page"):
         TurnStore(model, host_bytes=page_bytes(model) - 1)
+    with pytest.raises(InvalidArgumentError, match="cannot hold one page file"):
+        TurnStore(
+            model, host_bytes=page_bytes(model), disk_path=tmp_path, disk_bytes=page_bytes(model)
+        )
+    with pytest.raises(InvalidArgumentError, match="keep_kv=1; expected a bool"):
+        engine.submit(prompt(20, seed=3), 4, keep_kv=1)
+    assert not engine.has_work()

@@ -280,7 +280,8 @@ class Engine:
         full attention only.
 
         ``keep_kv``: when the request finishes (stop or length), copy its K/V out of the arena
-        before its pages are freed, as ``request.kept_kv`` (the same layout as ``prefix_kv``):
+        before its pages are freed, as ``request.kept_kv`` (the layout of ``prefix_kv``, on the
+        CPU):
         a conversation's next turn reuses them instead of computing its history again. The
         same caches only."""
         prompt = token_ids("input_ids", input_ids)
@@ -309,6 +310,8 @@ class Engine:
             )
         if prefix_kv is not None:
             prefix_kv = self._check_prefix_kv(prefix_kv, len(prompt))
+        if not isinstance(keep_kv, bool):
+            raise InvalidArgumentError(f"keep_kv={keep_kv!r}; expected a bool")
         if keep_kv and not self._stacked:
             raise InvalidArgumentError(
                 f"keep_kv needs the lossless cache (CacheSpec()) on a model whose layers are all "
@@ -323,7 +326,7 @@ class Engine:
             sampling=sampling,
             stats=RequestStats(submitted_at=time.perf_counter()),
             prefix_kv=prefix_kv,
-            keep_kv=bool(keep_kv),
+            keep_kv=keep_kv,
         )
         self._next_id += 1
         self._waiting.append(request)
@@ -402,7 +405,7 @@ class Engine:
         with torch.no_grad():
             keys = torch.stack([key_cache.view(rows).index_select(0, s) for s in per_layer])
             values = torch.stack([value_cache.view(rows).index_select(0, s) for s in per_layer])
-        request.kept_kv = (keys, values)
+        request.kept_kv = (keys.cpu(), values.cpu())  # outside the arena: not device memory
 
     def cancel(self, request: Request) -> bool:
         """Stop ``request`` and return its pages; False if it had already finished."""
@@ -927,11 +930,13 @@ class Engine:
 
     def _finish_running(self, request: Request, reason: str) -> None:
         self._track_peak(request)
-        self._running.remove(request)
-        if request.keep_kv and request.cache is not None:
-            self._copy_kv_out(request)
-        self._drop_cache(request)
-        self._finish(request, reason)
+        try:
+            if request.keep_kv and request.cache is not None:
+                self._copy_kv_out(request)
+        finally:  # a copy that fails still finishes the request and frees its pages
+            self._running.remove(request)
+            self._drop_cache(request)
+            self._finish(request, reason)
 
     def _finish(self, request: Request, reason: str) -> None:
         request.finish_reason = reason

@@ -207,6 +207,14 @@ class TieredStore:
         return self.clock
 
     @_locked
+    def mark_used(self, keys: list[str]) -> None:
+        """Set the pages' last use to now without counting a read (their owner used them
+        without reading them: ``TurnStore`` marks a conversation's pages when it saves a turn,
+        so they share one time)."""
+        for key in keys:
+            self._info(key).last_used = self.clock
+
+    @_locked
     def touch(self, key: str, tier: str) -> None:
         """Count a read of ``key`` served by ``tier``: the rules' recency and use counts."""
         info = self._info(key)

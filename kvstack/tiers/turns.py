@@ -29,6 +29,7 @@ should:
 
 Holes are recomputed here, one request at a time, not batched in the engine. Lossless caches on
 models whose layers are all full attention only (the engine's ``keep_kv`` and ``prefix_kv``).
+One thread at a time: the engine's.
 """
 
 from __future__ import annotations
@@ -43,9 +44,21 @@ import torch
 from transformers import DynamicCache
 
 from kvstack.errors import InvalidArgumentError, PageCorrupted
-from kvstack.tiers.disk import check_key
+from kvstack.tiers.disk import check_key, encode_page
 from kvstack.tiers.eviction import LRU, EvictionRule, PageInfo
 from kvstack.tiers.store import TieredStore
+
+
+class _RankOnly:
+    """A rule with only its ``rank``: the store then prices each drop alone. (``CostAware``'s
+    ``rank_drops`` prices a drop by the one recompute span of a single sequence's dropped
+    pages; here a hole is recomputed on its own and pages belong to many conversations.)"""
+
+    def __init__(self, rule: EvictionRule) -> None:
+        self.rule = rule
+
+    def rank(self, pages: Sequence[PageInfo], now: int, demote_to: str | None) -> list[PageInfo]:
+        return self.rule.rank(pages, now, demote_to)
 
 
 class TailFirstLRU(LRU):
@@ -118,10 +131,25 @@ class TurnStore:
             host_bytes=host_bytes,
             disk_path=disk_path,
             disk_bytes=disk_bytes,
-            rule=rule if rule is not None else TailFirstLRU(),
+            rule=_RankOnly(rule if rule is not None else TailFirstLRU()),
             min_page_bytes=self.page_bytes,
             may_drop=True,
         )
+        if self.store.disk is not None:
+            if self.store.disk.keys():
+                raise InvalidArgumentError(
+                    f"disk_path={str(disk_path)!r} holds page files already; expected an empty "
+                    "directory (a TurnStore's disk tier spills pages, it does not reopen them)"
+                )
+            empty = torch.zeros(self.layers, block_size, self.kv_heads, self.head_dim)
+            page_file = len(
+                encode_page("probe", {"k": empty.to(self.dtype), "v": empty.to(self.dtype)})
+            )
+            if disk_bytes < page_file:
+                raise InvalidArgumentError(
+                    f"disk_bytes={disk_bytes} cannot hold one page file of {page_file} bytes; "
+                    "expected 0 (no disk tier) or at least that"
+                )
         self.conversations: dict[str, list[int]] = {}  # the token ids its pages hold
         self.stats = TurnStats()
 
@@ -129,7 +157,7 @@ class TurnStore:
         return (
             f"TurnStore(conversations={len(self.conversations)}, pages={len(self.store.pages)}, "
             f"dropped={len(self.store.dropped)}, host={self.store.bytes_used('host')}/"
-            f"{self.store.capacity['host']} bytes, rule={type(self.store.rule).__name__})"
+            f"{self.store.capacity['host']} bytes, rule={type(self.store.rule.rule).__name__})"
         )
 
     # ------------------------------------------------------------------ turns
@@ -148,20 +176,36 @@ class TurnStore:
         same = _common_prefix(held, ids) // block  # pages whose tokens did not change
         for index in range(same, len(held) // block):  # the conversation went another way
             self.store.delete(self._key(conversation, index))
+        self.conversations[conversation] = ids[: same * block]  # what it holds until the end
         written = 0
         self.store.tick()  # a save is a use: its pages are newer than every page before it
+        # The pages it keeps were used by this turn too: all of them share the save's time, so
+        # of this conversation a tail-first rule drops the tail, not the head the lookup read
+        # first.
+        kept = [self._key(conversation, i) for i in range(min(same, full))]
+        self.store.mark_used([key for key in kept if key in self.store.pages])
         # Last page first: while room is made for page i, the pages after it are candidates
         # too, so a tail-first rule keeps the head (the head page, written last, always stays).
-        for index in reversed(range(full)):
-            key = self._key(conversation, index)
-            if index < same and key in self.store.pages:
-                continue
-            if key in self.store.dropped:
-                self.store.delete(key)  # forget the record; the K/V is here again
-            cut = slice(index * block, (index + 1) * block)
-            page = {"k": keys[:, cut].contiguous(), "v": values[:, cut].contiguous()}
-            self.store.put(key, page, tier="host", position=index * block, tokens=block)
-            written += 1
+        new_keys: list[str] = []
+        try:
+            for index in reversed(range(full)):
+                key = self._key(conversation, index)
+                if index < same and key in self.store.pages:
+                    continue
+                if key in self.store.dropped:
+                    self.store.delete(key)  # forget the record; the K/V is here again
+                cut = slice(index * block, (index + 1) * block)
+                page = {"k": keys[:, cut].contiguous(), "v": values[:, cut].contiguous()}
+                self.store.put(key, page, tier="host", position=index * block, tokens=block)
+                new_keys.append(key)
+        except BaseException:
+            # A page that could not be written (a full or failing disk): the conversation keeps
+            # the pages it held before this save, and none of this save's.
+            for key in new_keys:
+                if key in self.store.pages or key in self.store.dropped:
+                    self.store.delete(key)
+            raise
+        written = len(new_keys)
         self.conversations[conversation] = ids[: full * block]
         self.stats.pages_written += written
         return written
@@ -258,16 +302,18 @@ class TurnStore:
         ``DynamicCache`` holding pages 0 .. ``first - 1`` (all in ``pages``)."""
         start = time.perf_counter()
         block = self.block_size
+        device = next(self.model.parameters()).device
         cache = DynamicCache(config=self.model.config)
         if first:
-            keys = torch.cat([pages[i]["k"] for i in range(first)], dim=1)  # [L, n, H_kv, D]
-            values = torch.cat([pages[i]["v"] for i in range(first)], dim=1)
+            # [L, n, H_kv, D] on the model's device
+            keys = torch.cat([pages[i]["k"] for i in range(first)], dim=1).to(device)
+            values = torch.cat([pages[i]["v"] for i in range(first)], dim=1).to(device)
             for layer in range(self.layers):
                 # [n, H_kv, D] -> [1, H_kv, n, D]: the cache's layout
                 cache.update(
                     keys[layer].transpose(0, 1)[None], values[layer].transpose(0, 1)[None], layer
                 )
-        span = torch.tensor([ids[first * block : end * block]])  # [1, tokens]
+        span = torch.tensor([ids[first * block : end * block]], device=device)  # [1, tokens]
         backbone = getattr(self.model, "base_model", self.model)  # only the K/V are needed
         # transformers renamed past_key_values to cache (5.x); pass whichever it takes.
         parameters = inspect.signature(type(backbone).forward).parameters
@@ -285,7 +331,7 @@ class TurnStore:
             pages[index] = {
                 short: torch.stack(
                     [getattr(layer, name)[0, :, cut].transpose(0, 1) for layer in cache.layers]
-                )
+                ).cpu()  # held pages come from host and disk: the store's pages live on the CPU
                 for short, name in (("k", "keys"), ("v", "values"))
             }
         self.stats.recomputed_tokens += (end - first) * block
