@@ -32,8 +32,9 @@ means over them, medians over the rounds:
   AsymCache reports 1.9-2.03x.
 * ``tiers.turns.ttft_ratio.{lru,cost}_vs_reprefill``: mean TTFT re-prefilling ÷ with the store.
 * ``tiers.turns.history_tokens_computed.{lru,cost,reprefill}``: tokens of the conversation so
-  far computed again per later turn (holes the store recomputed and the tail it left to the
-  engine), from the first round (the runs are deterministic).
+  far computed again per later turn (holes the store recomputed, and what the engine computed:
+  the tail the store left, the last partial page, the last output), from the first round (the
+  runs are deterministic).
 * ``tiers.turns.tokens_equal_reprefill``: the fraction of the store runs whose every turn made
   the tokens of re-prefilling it (lossless: target 1).
 """
@@ -93,12 +94,13 @@ def serve_turns(
     model: Any, capacity: int, turns: list[tuple[str, list[int], int]], store: Any
 ) -> dict[str, Any]:
     """Serve ``turns`` one at a time on a fresh engine, through ``store`` (None: re-prefill).
-    Returns each turn's TTFT and outputs, and whether it was a conversation's first."""
+    Returns each turn's TTFT, outputs, whether it was a conversation's first, and how many
+    tokens of its conversation so far the engine computed again (the store's holes aside)."""
     from kvstack.bench.tiers_engine import lossless_engine
 
     arena, engine = lossless_engine(model, capacity)
     history: dict[str, list[int]] = {}
-    ttft, outputs, later = [], [], []
+    ttft, outputs, later, computed_again = [], [], [], []
     for name, message, new in turns:
         ids = history.get(name, []) + message
         later.append(name in history)
@@ -109,13 +111,16 @@ def serve_turns(
             handle = store.submit(engine, name, ids, new)
         engine.run()
         ttft.append(handle.stats.first_token_at - arrived)
+        # Tokens of the conversation so far that the engine computes: all but those given.
+        given = 0 if handle.prefix_kv is None else handle.prefix_kv[0].shape[1]
+        computed_again.append(len(history.get(name, [])) - min(given, len(history.get(name, []))))
         if store is not None:
             store.save_turn(name, handle)
         history[name] = ids + handle.output_ids
         outputs.append(handle.output_ids)
     if arena.bytes_used:
         raise AssertionError("the turns ended with arena pages still held")
-    return {"ttft": ttft, "outputs": outputs, "later": later}
+    return {"ttft": ttft, "outputs": outputs, "later": later, "computed_again": computed_again}
 
 
 def calibrate_cost(model: Any, context: int, log: Callable[[str], None]) -> tuple[float, float]:
@@ -200,7 +205,8 @@ def measure_turns(
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
     stores: dict[str, Any] = {}
     for round_index in range(repeats):
-        for side in SIDES:
+        # Each round starts with the next side: none is always first, or always after another.
+        for side in SIDES[round_index % len(SIDES) :] + SIDES[: round_index % len(SIDES)]:
             log(f"turns: round {round_index + 1}/{repeats}, {side}, {len(turns)} turns")
             store = store_for(side)
             runs[side].append(serve_turns(model, capacity, turns, store))
@@ -214,17 +220,15 @@ def measure_turns(
 
     ttft = {side: statistics.median(mean_later_ttft(r) for r in runs[side]) for side in SIDES}
     later_turns = sum(runs["reprefill"][0]["later"])
+    # The engine's share (first round: the runs are deterministic) plus the store's holes.
     computed_again = {
-        side: (store.stats.recomputed_tokens + store.stats.missed_tokens) / later_turns
-        for side, store in stores.items()
+        side: (
+            sum(runs[side][0]["computed_again"])
+            + (stores[side].stats.recomputed_tokens if side in stores else 0)
+        )
+        / later_turns
+        for side in SIDES
     }
-    # Re-prefilling computes every later turn's whole history again.
-    history_so_far, seen = 0, {}
-    for name, message, new in turns:
-        if name in seen:
-            history_so_far += seen[name]
-        seen[name] = seen.get(name, 0) + len(message) + new
-    computed_again["reprefill"] = history_so_far / later_turns
     reference = runs["reprefill"][0]["outputs"]
     store_runs = [r for side in ("lru", "cost") for r in runs[side]]
     equal = sum(r["outputs"] == reference for r in store_runs) / len(store_runs)
@@ -259,7 +263,11 @@ def measure_turns(
             computed_again[side],
             "tokens",
             "tokens of the conversation so far computed again per later turn"
-            + ("" if side == "reprefill" else " (holes recomputed + tail left to the engine)"),
+            + (
+                ""
+                if side == "reprefill"
+                else " (holes the store recomputed + what the engine computed)"
+            ),
         )
     workload = {
         "conversations": len(history),
