@@ -59,7 +59,7 @@ MAX_NEW, QUICK_MAX_NEW = 16, 4
 HOST_FRACTION = 0.3
 BLOCK_SIZE = 16  # tokens per page: the engine's block size
 TRACE_SEED = 0
-REPEATS = 3
+REPEATS = 2  # rounds of the three sides: each round serves every turn three times (~4 min)
 CALIBRATION_TOKENS, CALIBRATION_CONTEXT, QUICK_CALIBRATION_CONTEXT = 128, 1024, 64
 SIDES = ("reprefill", "lru", "cost")
 
