@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import time
+from pathlib import Path
 
 import hypothesis.strategies as st
 import pytest
@@ -472,3 +474,24 @@ def test_the_cpp_decode_ops_fake_kernels_match_their_schemas(weights):
     torch.library.opcheck(library.paged_decode.default, paged_args, test_utils=checks)
     case = model_sized_case(8, torch.float32)
     torch.library.opcheck(library.ragged_decode.default, (*case.args(), 0.5), test_utils=checks)
+
+
+def test_a_build_lock_left_by_a_killed_process_is_removed_and_a_live_one_kept(
+    tmp_path, monkeypatch
+):
+    from torch.utils import cpp_extension
+
+    from kvstack import cuda_kernels
+    from spec_tests import conftest
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    build = cpp_extension._get_build_directory(cuda_kernels._CPU_LIBRARY, verbose=False)
+    lock = Path(build) / "lock"
+    lock.touch()  # a build running now
+    conftest._clear_stale_build_lock()
+    assert lock.exists()
+    old = time.time() - conftest.STALE_BUILD_LOCK_S - 1
+    os.utime(lock, (old, old))  # its process was killed long ago
+    with pytest.warns(UserWarning, match="build lock .* no build holds"):
+        conftest._clear_stale_build_lock()
+    assert not lock.exists()
