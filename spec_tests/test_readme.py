@@ -13,9 +13,9 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 def python_blocks() -> list[str]:
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    assert len(blocks) == 7, (
-        "README.md should have the HF, serving, head-wise, tiers, fact memory, vLLM and core "
-        "examples"
+    assert len(blocks) == 8, (
+        "README.md should have the HF, serving, head-wise, tiers, TurnStore, fact memory, vLLM "
+        "and core examples"
     )
     return blocks
 
@@ -86,9 +86,22 @@ def test_readme_tiers_example_saves_and_a_new_process_resumes(tmp_path):
     assert result.stdout.strip()  # the second turn's answer
 
 
-def test_readme_fact_memory_example_runs_and_its_comments_hold(capsys):
+def test_readme_turn_store_example_reuses_each_turns_kv(capsys):
     namespace: dict = {}
     exec(compile(python_blocks()[4], str(README), "exec"), namespace)
+    store, engine = namespace["store"], namespace["engine"]
+    assert store.stats.lookups == 2
+    # The second turn read back whole pages of the first turn's prompt and outputs.
+    first_turn = len(namespace["user"]("What does a KV cache store?")) + 24 - 1
+    assert store.stats.reused_tokens == first_turn // store.block_size * store.block_size > 0
+    assert store.conversations["alice"] and store.bytes_held() > 0
+    assert engine.arena.bytes_used == 0 and not engine.has_work()
+    assert len(capsys.readouterr().out.splitlines()) >= 3  # two answers and the count
+
+
+def test_readme_fact_memory_example_runs_and_its_comments_hold(capsys):
+    namespace: dict = {}
+    exec(compile(python_blocks()[5], str(README), "exec"), namespace)
     memory, cache, ids = namespace["memory"], namespace["cache"], namespace["ids"]
     assert namespace["fact_ids"] == ["f0"]  # the comment's retrieval
     first = memory.facts["f0"]
@@ -116,7 +129,7 @@ def test_readme_vllm_example_serves_the_memory_through_the_connector(tmp_path):
 
     env = os.environ | cpu_environment("nobind")
     script = tmp_path / "example.py"
-    script.write_text(python_blocks()[5])
+    script.write_text(python_blocks()[6])
     done = subprocess.run(
         [str(python), str(script)], cwd=tmp_path, env=env, capture_output=True, text=True
     )
@@ -130,7 +143,7 @@ def test_readme_vllm_example_serves_the_memory_through_the_connector(tmp_path):
 
 def test_readme_example_runs_and_its_comments_hold():
     namespace: dict = {}
-    exec(compile(python_blocks()[6], str(README), "exec"), namespace)
+    exec(compile(python_blocks()[7], str(README), "exec"), namespace)
     table, pool, out = namespace["table"], namespace["pool"], namespace["out"]
     assert len(table.blocks) == 4 and table.num_live == 50
     assert pool.num_free_blocks == 64 - 4

@@ -268,7 +268,8 @@ def test_the_rules_drop_the_tail_first_lru_and_the_head_first_cost_aware(model):
     assert dropped["cost"] == ["ann.0", "ann.1"]  # the earliest positions: cheapest to recompute
 
 
-def test_a_corrupt_disk_page_is_dropped_and_recomputed(model, tmp_path):
+@pytest.mark.parametrize("damage", ["flipped byte", "file deleted"])
+def test_a_corrupt_or_missing_disk_page_is_dropped_and_recomputed(model, tmp_path, damage):
     store = TurnStore(
         model,
         host_bytes=page_bytes(model),
@@ -280,9 +281,12 @@ def test_a_corrupt_disk_page_is_dropped_and_recomputed(model, tmp_path):
     on_disk = [key for key, info in store.store.pages.items() if info.home == "disk"]
     assert on_disk
     victim = next(tmp_path.glob(f"{sorted(on_disk)[0]}*"))
-    data = bytearray(victim.read_bytes())
-    data[-1] ^= 0xFF
-    victim.write_bytes(bytes(data))
+    if damage == "file deleted":
+        victim.unlink()
+    else:
+        data = bytearray(victim.read_bytes())
+        data[-1] ^= 0xFF
+        victim.write_bytes(bytes(data))
     following = ids + handle.output_ids + prompt(5, seed=8)
     keys, values = store.prefix_kv("ann", following)
     expected_keys, _ = prefill_kv(model, (ids + handle.output_ids)[: keys.shape[1]])

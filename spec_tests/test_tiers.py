@@ -100,6 +100,14 @@ def test_a_damaged_page_file_raises_page_corrupted_naming_the_file(tmp_path, dam
         tier.read("a")
 
 
+def test_a_page_file_deleted_behind_the_tier_raises_page_corrupted_naming_it(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 20)
+    tier.write("a", kv_page(1))
+    tier.file_of("a").unlink()
+    with pytest.raises(PageCorrupted, match=f"{tier.file_of('a')}: the page file is missing"):
+        tier.read("a")
+
+
 def test_a_page_file_under_another_key_is_refused(tmp_path):
     tier = DiskTier(tmp_path, 1 << 20)
     tier.write("a", kv_page(1))

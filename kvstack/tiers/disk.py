@@ -16,7 +16,8 @@ Why each piece:
   process killed mid-write leaves only the temporary file, which the next ``DiskTier`` on the
   directory deletes: a page name always holds a whole page, the last one written under it.
 * **Checksum.** Reading verifies the digest before any byte becomes a tensor, so a flipped bit
-  or a truncated file raises ``PageCorrupted`` instead of feeding wrong K/V to attention.
+  or a truncated file raises ``PageCorrupted`` instead of feeding wrong K/V to attention; so
+  does a page whose file was deleted behind the tier's back.
 * **Budget.** The tier holds at most ``capacity_bytes`` of page files; a write beyond it, or a
   disk that reports ENOSPC, raises ``TierFull`` and leaves the tier as it was.
 """
@@ -287,7 +288,12 @@ class DiskTier:
         file stays readable through the handle even if the page is deleted or replaced after."""
         if key not in self._sizes:
             raise KeyError(f"page {key!r} is not on the disk tier {str(self.path)!r}")
-        return open(os.path.join(self._directory, key + PAGE_SUFFIX), "rb", buffering=0)
+        try:
+            return open(os.path.join(self._directory, key + PAGE_SUFFIX), "rb", buffering=0)
+        except FileNotFoundError as error:
+            # Deleted behind the tier's back (a cleaner, a user): the page is lost exactly as a
+            # damaged one is, and lossless callers recompute it the same way.
+            raise PageCorrupted(f"{self.file_of(key)}: the page file is missing") from error
 
     def read_opened(self, key: str, handle) -> Page:
         """Read, check and decode the page from ``handle`` (``open(key)``), closing it."""
