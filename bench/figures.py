@@ -11,10 +11,11 @@ and nowhere else. ``kvstack figures`` rewrites those blocks from ``bench/results
 
 * a block differs from what its results file gives (a figure typed or edited by hand);
 * a results file is stale: a path it depends on (the suite's ``DEPENDS_ON``) differs between
-  the commit it was measured at and the working tree, or it was measured on a dirty tree, or
-  it is a quick run, or its commit is not in this repository. CUDA sources (``.cu``, ``.cuh``)
+  the commit it was measured at and the working tree, or it was measured with uncommitted
+  changes to such a path, or it is a quick run, or its commit is not in this repository. CUDA sources (``.cu``, ``.cuh``)
   do not count for results measured without a GPU, which never compiled or ran them;
-* a README block names a suite without a results file, or the README, outside the blocks and
+* a README block names a suite without a results file, a results file has no README block (its
+  figures would reach no reader), or the README, outside the blocks and
   code, holds something that reads like a measured figure (a number with a unit such as
   ``%``, ``x``, ``ms``, ``MiB``, ``tok/s``).
 """
@@ -130,6 +131,12 @@ def check(readme_path: Path = README, results_dir: Path = RESULTS_DIR) -> list[s
     rendered, problems = render(readme, all_results)
     if not BLOCK.search(readme):
         problems.append("README has no '<!-- figures: SUITE -->' block")
+    blocks = {match.group(2) for match in BLOCK.finditer(readme)}
+    for name in sorted(set(all_results) - blocks):
+        problems.append(
+            f"bench/results/{name}.json has no README block: add '<!-- figures: {name} -->' "
+            "and '<!-- /figures -->' where its table belongs, then run `kvstack figures`"
+        )
     if rendered != readme:
         new = {m.group(2): m.group(3) for m in BLOCK.finditer(rendered)}
         for match in BLOCK.finditer(readme):

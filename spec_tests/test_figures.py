@@ -159,6 +159,15 @@ def test_check_fails_when_a_readme_figure_is_edited(tmp_path):
     assert figures.main(False, readme, results_dir) == 0  # regenerates
 
 
+def test_check_fails_on_a_results_file_that_no_readme_block_shows(tmp_path):
+    results = _results(_git("rev-parse", "HEAD"))
+    readme, results_dir = _write(tmp_path, results, "# x\n\nNo blocks.\n")
+    problems = figures.check(readme, results_dir)
+    assert any("bench/results/core.json has no README block" in p for p in problems), problems
+    readme.write_text(figures.render(README, figures.load_results(results_dir))[0])
+    assert not any("has no README block" in p for p in figures.check(readme, results_dir))
+
+
 def test_check_fails_on_a_figure_typed_outside_the_blocks(tmp_path):
     results = _results(_git("rev-parse", "HEAD"))
     readme, results_dir = _write(tmp_path, results, README + "\nDecode is 0.92x as fast.\n")

@@ -304,6 +304,22 @@ class TieredStore:
             self._erase(tier, key)
 
     @_locked
+    def forget_dropped(self, key: str) -> PageInfo:
+        """Take ``key``'s record out of ``dropped`` (its K/V is about to be stored again) and
+        return it, for ``restore_dropped`` if that store fails."""
+        return self.dropped.pop(key)
+
+    @_locked
+    def restore_dropped(self, info: PageInfo) -> None:
+        """Put back a record ``forget_dropped`` returned: the page is dropped again, as before."""
+        if info.key in self.pages or info.key in self.dropped:
+            raise InvalidArgumentError(
+                f"page {info.key!r} is stored or dropped already; restore_dropped expects a "
+                "record forget_dropped took out"
+            )
+        self.dropped[info.key] = info
+
+    @_locked
     def drop(self, key: str) -> None:
         """Remove a KV page from every tier, remembering it in ``dropped`` (``may_drop``
         stores only: their owner recomputes it from its tokens when it is read)."""

@@ -187,23 +187,27 @@ class TurnStore:
         # Last page first: while room is made for page i, the pages after it are candidates
         # too, so a tail-first rule keeps the head (the head page, written last, always stays).
         new_keys: list[str] = []
+        revived = []  # records of pages it had dropped, whose K/V this save stores again
         try:
             for index in reversed(range(full)):
                 key = self._key(conversation, index)
                 if index < same and key in self.store.pages:
                     continue
                 if key in self.store.dropped:
-                    self.store.delete(key)  # forget the record; the K/V is here again
+                    revived.append(self.store.forget_dropped(key))  # the K/V is here again
                 cut = slice(index * block, (index + 1) * block)
                 page = {"k": keys[:, cut].contiguous(), "v": values[:, cut].contiguous()}
                 self.store.put(key, page, tier="host", position=index * block, tokens=block)
                 new_keys.append(key)
         except BaseException:
             # A page that could not be written (a full or failing disk): the conversation keeps
-            # the pages it held before this save, and none of this save's.
+            # the pages it held before this save, and none of this save's. A page it had
+            # dropped is dropped again (its tokens are still the conversation's), never lost.
             for key in new_keys:
                 if key in self.store.pages or key in self.store.dropped:
                     self.store.delete(key)
+            for info in revived:
+                self.store.restore_dropped(info)
             raise
         written = len(new_keys)
         self.conversations[conversation] = ids[: full * block]
