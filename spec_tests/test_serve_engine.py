@@ -11,7 +11,7 @@ import functools
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
@@ -347,6 +347,8 @@ def test_random_traces_finish_with_solo_tokens_and_an_empty_arena(
         assert handle.output_ids == solo(model, spec_name, ids, n)
     assert serving.arena.bytes_used == 0
     serving.arena.check_invariants()
+    event(f"served {'none' if not handles else 'all' if len(handles) == len(lengths) else 'some'}")
+    event(f"preempted: {serving.preemptions > 0}")
 
 
 def drive(serving, requests, arrivals, after_step=None, max_steps: int = 3000) -> list:

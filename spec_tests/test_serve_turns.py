@@ -388,9 +388,24 @@ def test_bad_turn_store_input_is_refused_and_changes_nothing(model, tmp_path):
     plain = engine.submit(prompt(20, seed=2), 4)
     engine.run()
     store.save_turn("ann", handle)
-    before = (dict(store.conversations), set(store.store.pages), store.bytes_held())
+    store.store.drop("ann.1")
+
+    def state():
+        return (
+            {name: list(ids) for name, ids in store.conversations.items()},
+            set(store.store.pages),
+            set(store.store.dropped),
+            store.bytes_held(),
+            store.store.clock,
+            vars(store.stats).copy(),
+        )
+
+    before = state()
     keys, values = handle.kept_kv
     computed = handle.prompt_ids + handle.output_ids[:-1]
+    diverged = computed[:20] + [(t + 1) % 256 for t in computed[20:]]
+    with pytest.raises(InvalidArgumentError, match="expected \\(keys, values\\)"):
+        store.save("ann", diverged, (keys.double(), values.double()))  # before ann's pages go
     with pytest.raises(InvalidArgumentError, match=r"kv is .*expected \(keys, values\)"):
         store.save("ben", computed[:-1], handle.kept_kv)  # one token id short
     with pytest.raises(InvalidArgumentError, match="expected \\(keys, values\\)"):
@@ -401,7 +416,7 @@ def test_bad_turn_store_input_is_refused_and_changes_nothing(model, tmp_path):
         store.prefix_kv("a/b", computed)
     with pytest.raises(InvalidArgumentError, match="kept no K/V"):
         store.save_turn("ben", plain)
-    assert (dict(store.conversations), set(store.store.pages), store.bytes_held()) == before
+    assert state() == before
     with pytest.raises(InvalidArgumentError, match="cannot hold one page"):
         TurnStore(model, host_bytes=page_bytes(model) - 1)
     with pytest.raises(InvalidArgumentError, match="cannot hold one page file"):
