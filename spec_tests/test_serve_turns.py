@@ -323,28 +323,41 @@ def test_a_corrupt_or_missing_disk_page_is_dropped_and_recomputed(model, tmp_pat
     assert sorted(on_disk)[0] in store.store.dropped
 
 
-def test_a_save_that_fails_keeps_what_the_conversation_held_before(model, monkeypatch):
-    store = TurnStore(model, host_bytes=64 * page_bytes(model))
-    ids, handle = saved_turn(model, store)
-    held = (list(store.conversations["ann"]), sorted(store.store.pages))
+def next_turn(model, store: TurnStore, ids: list[int], handle) -> object:
+    """Conversation "ann"'s next turn after ``saved_turn``, run on a new engine: its handle."""
     engine = serving(model)
     following = store.submit(engine, "ann", ids + handle.output_ids + prompt(40, seed=3), 6)
     engine.run()
+    return following
+
+
+def save_failing(store: TurnStore, handle, monkeypatch, fails) -> None:
+    """``save_turn("ann", handle)`` with the store's page writes failing (ENOSPC) where
+    ``fails(key, writes so far)`` says; the writes work again after."""
     put = store.store.put
     calls = []
 
     def failing_put(key, page, **kwargs):
         calls.append(key)
-        if len(calls) == 2:  # the second new page: the first is written already
+        if fails(key, len(calls)):
             raise OSError(28, "No space left on device")
         return put(key, page, **kwargs)
 
     monkeypatch.setattr(store.store, "put", failing_put)
     with pytest.raises(OSError, match="No space left"):
-        store.save_turn("ann", following)
+        store.save_turn("ann", handle)
+    monkeypatch.setattr(store.store, "put", put)
+
+
+def test_a_save_that_fails_keeps_what_the_conversation_held_before(model, monkeypatch):
+    store = TurnStore(model, host_bytes=64 * page_bytes(model))
+    ids, handle = saved_turn(model, store)
+    held = (list(store.conversations["ann"]), sorted(store.store.pages))
+    following = next_turn(model, store, ids, handle)
+    # The second new page fails: the first is written already.
+    save_failing(store, following, monkeypatch, lambda key, calls: calls == 2)
     assert (store.conversations["ann"], sorted(store.store.pages)) == held
     store.store.check()
-    monkeypatch.setattr(store.store, "put", put)
     store.save_turn("ann", following)  # and the next save works
     assert len(store.store.pages) > len(held[1])
 
@@ -357,19 +370,9 @@ def test_a_failed_save_leaves_the_pages_it_had_dropped_dropped_not_lost(model, m
     store.store.drop("ann.1")
     store.store.drop("ann.2")
     held = (list(store.conversations["ann"]), sorted(store.store.pages))
-    engine = serving(model)
-    following = store.submit(engine, "ann", ids + handle.output_ids + prompt(40, seed=3), 6)
-    engine.run()
-    put = store.store.put
-
-    def failing_put(key, page, **kwargs):
-        if key == "ann.1":  # written after the new pages and ann.2: the save is tail first
-            raise OSError(28, "No space left on device")
-        return put(key, page, **kwargs)
-
-    monkeypatch.setattr(store.store, "put", failing_put)
-    with pytest.raises(OSError, match="No space left"):
-        store.save_turn("ann", following)
+    following = next_turn(model, store, ids, handle)
+    # ann.1 is written after the new pages and ann.2: the save is tail first.
+    save_failing(store, following, monkeypatch, lambda key, calls: key == "ann.1")
     assert (store.conversations["ann"], sorted(store.store.pages)) == held
     assert sorted(store.store.dropped) == ["ann.1", "ann.2"]
     store.store.check()
