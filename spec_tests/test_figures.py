@@ -288,3 +288,20 @@ def test_a_cuda_source_changed_during_a_cpu_run_does_not_stale_it():
     assert not any("uncommitted changes" in p for p in figures.stale("core", results))
     results["machine"] = {**results["machine"], "gpu": "NVIDIA H200"}
     assert any("uncommitted changes" in p for p in figures.stale("core", results))
+
+
+def test_both_make_bench_targets_run_every_cpu_suite_once():
+    """``make bench`` (one after another) and ``make bench-lanes`` (two lanes, then the rest
+    alone) each run every suite that runs without a GPU, once."""
+    import re
+
+    from kvstack.bench.suite import SUITES
+
+    makefile = (REPO_ROOT / "Makefile").read_text()
+    sequential = makefile.split("\nbench: install\n", 1)[1].split("\n\n", 1)[0]
+    cpu_suites = sorted(set(SUITES) - {"gpu"})
+    assert sorted(re.findall(r"kvstack bench (\w+) --out", sequential)) == cpu_suites
+    lanes = []
+    for name in ("BENCH_LANE_A", "BENCH_LANE_B", "BENCH_ALONE"):
+        lanes += re.search(rf"^{name} := (.*)$", makefile, re.M).group(1).split()
+    assert sorted(lanes) == cpu_suites
