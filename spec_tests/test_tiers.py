@@ -461,7 +461,10 @@ def test_a_prefetched_page_is_taken_only_once_its_copy_completed_and_hides_its_t
     taker.join(timeout=10)
     assert same_page(taken[0], pages["p0"])
     assert prefetcher.stall_seconds >= 0.2  # p0's wait
-    time.sleep(0.3)  # "compute" while p1 and p2 arrive
+    # "Compute" until p1 and p2 have arrived: however long the worker takes on a loaded
+    # machine, a fixed sleep could end first and count its wait as a stall.
+    arrivals = [prefetcher._pending[key] for key in ("p1", "p2")]
+    assert all(future.result(timeout=10) for future in arrivals)
     stall, transfer = prefetcher.stall_seconds, prefetcher.transfer_seconds
     for key in ("p1", "p2"):
         assert same_page(prefetcher.take(key)[0], pages[key])
