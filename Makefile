@@ -78,16 +78,19 @@ BENCH_LANE_A := serve quality
 BENCH_LANE_B := vtoken tangram memory kvpress arena core
 BENCH_ALONE := tiers
 
+# $(call bench_suites,SUITES): each suite in turn, one torch thread, stopping at a failure.
+bench_suites = $(foreach suite,$(1),OMP_NUM_THREADS=1 $(BIN)/kvstack bench $(suite) --out bench_results/$(suite) &&) true
+
 bench-lanes: install kvpress-env vllm-env
-	$(MAKE) -j2 $(addprefix bench-lane-,a b)
-	$(foreach suite,$(BENCH_ALONE),OMP_NUM_THREADS=1 $(BIN)/kvstack bench $(suite) --out bench_results/$(suite) &&) true
+	$(MAKE) -j2 bench-lane-a bench-lane-b
+	$(call bench_suites,$(BENCH_ALONE))
 	$(BIN)/kvstack figures
 
 bench-lane-a:
-	$(foreach suite,$(BENCH_LANE_A),OMP_NUM_THREADS=1 $(BIN)/kvstack bench $(suite) --out bench_results/$(suite) &&) true
+	$(call bench_suites,$(BENCH_LANE_A))
 
 bench-lane-b:
-	$(foreach suite,$(BENCH_LANE_B),OMP_NUM_THREADS=1 $(BIN)/kvstack bench $(suite) --out bench_results/$(suite) &&) true
+	$(call bench_suites,$(BENCH_LANE_B))
 
 figures: install
 	$(BIN)/kvstack figures

@@ -12,12 +12,13 @@ and nowhere else. ``kvstack figures`` rewrites those blocks from ``bench/results
 * a block differs from what its results file gives (a figure typed or edited by hand);
 * a results file is stale: a path it depends on (the suite's ``DEPENDS_ON``) differs between
   the commit it was measured at and the working tree, or it was measured with uncommitted
-  changes to such a path, or it is a quick run, or its commit is not in this repository. CUDA sources (``.cu``, ``.cuh``)
-  do not count for results measured without a GPU, which never compiled or ran them;
+  changes to such a path, or it is a quick run, or its commit is not in this repository. CUDA
+  sources (``.cu``, ``.cuh``) do not count for results measured without a GPU, which never
+  compiled or ran them;
 * a README block names a suite without a results file, a results file has no README block (its
-  figures would reach no reader), or the README, outside the blocks and
-  code, holds something that reads like a measured figure (a number with a unit such as
-  ``%``, ``x``, ``ms``, ``MiB``, ``tok/s``).
+  figures would reach no reader), or the README, outside the blocks and code, holds something
+  that reads like a measured figure (a number with a unit such as ``%``, ``x``, ``ms``,
+  ``MiB``, ``tok/s``).
 """
 
 from __future__ import annotations
