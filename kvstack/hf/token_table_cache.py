@@ -170,8 +170,12 @@ class TokenTableLayer(PagedLayer):
             mask = self.policy.choose_victims(self.state, batch.alive, self.budgets)
             evicted = batch.evict(mask, release=self.cache.reclaim)
         if self.cache.reclaim:  # a table that just lost tokens may now be worth repacking
+            block = self.block_size
             for index, count in enumerate(evicted):
-                if count:
+                # Only a table holding a block more than its live tokens fill can free one
+                # (blocks > ceil(live / block), plan_repack's first condition): most decode
+                # steps evict into a table that needs every block it holds, and skip the check.
+                if count and len(batch.blocks[index]) * block >= batch.num_live[index] + block:
                     self._maybe_repack(index)
             self.pool.arena.trim()  # a private arena gives emptied segments back
 
