@@ -9,7 +9,10 @@ another backend silently.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -60,25 +63,65 @@ def load_cpu() -> dict[str, Callable]:
         raise BackendUnavailable(f"cpp backend: no C++ compiler ({compiler!r} is not on PATH)")
     sources = [str(HERE / source) for source in sorted(set(CPU_SOURCES.values()))]
     try:
-        cpp_extension.load(
-            name=_CPU_LIBRARY,
-            sources=sources,
-            # The build is per machine (cached where torch keeps extensions), so it may use
-            # the machine's vector units; reassociation lets the dot products and sums
-            # vectorize (the results stay within the float tolerance of the reference), while
-            # infinities and NaN keep their meaning (no finite-math assumption).
-            extra_include_paths=[str(HERE)],  # cpu_attention.h, shared by the kernels
-            extra_cflags=[
-                "-O3",
-                "-march=native",
-                "-ffast-math",
-                "-fno-finite-math-only",
-            ],
-            is_python_module=False,
-            verbose=False,
-        )
+        build = cpp_extension._get_build_directory(_CPU_LIBRARY, verbose=False)
+        with _build_lock(build):
+            _load_cpu_library(cpp_extension, sources)
     except Exception as error:  # a failed build is reported, never replaced silently
         raise BackendUnavailable(f"cpp backend: building {sources} failed: {error}") from error
+    return _cpu_operations()
+
+
+@contextlib.contextmanager
+def _build_lock(directory: str):
+    """Hold an advisory lock on ``directory`` while torch checks or builds the extension there.
+
+    torch guards a build with a lock file that it creates and deletes itself, and it waits,
+    without a timeout, for a lock file it finds to go. A process killed while it holds one (a
+    Ctrl-C during the first import) leaves the file behind, and every later load then hangs.
+    This lock is the kernel's (``fcntl.flock``): it goes when its holder dies. Every kvstack
+    load takes it before torch's, so a torch lock file found while holding it belongs to no
+    load in progress, and is removed."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "kvstack.flock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = os.path.join(directory, "lock")
+            if os.path.exists(stale):
+                warnings.warn(
+                    f"removing {stale}: a build lock that a killed process left behind",
+                    stacklevel=4,
+                )
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(stale)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _load_cpu_library(cpp_extension, sources: list[str]) -> None:
+    """Build (once per machine) and load the C++ kernels as ``torch.ops.kvstack_cpu``."""
+    cpp_extension.load(
+        name=_CPU_LIBRARY,
+        sources=sources,
+        # The build is per machine (cached where torch keeps extensions), so it may use
+        # the machine's vector units; reassociation lets the dot products and sums
+        # vectorize (the results stay within the float tolerance of the reference), while
+        # infinities and NaN keep their meaning (no finite-math assumption).
+        extra_include_paths=[str(HERE)],  # cpu_attention.h, shared by the kernels
+        extra_cflags=[
+            "-O3",
+            "-march=native",
+            "-ffast-math",
+            "-fno-finite-math-only",
+        ],
+        is_python_module=False,
+        verbose=False,
+    )
+
+
+def _cpu_operations() -> dict[str, Callable]:
+    """The loaded C++ kernels' operations, keyed by operation name (their fake kernels
+    registered for torch.compile)."""
     library = getattr(torch.ops, _CPU_LIBRARY)
 
     @torch.library.register_fake(f"{_CPU_LIBRARY}::copy_slots")

@@ -9,9 +9,7 @@ Profiles (choose with ``--hypothesis-profile=NAME``; default ``ci`` when CI is s
 from __future__ import annotations
 
 import os
-import time
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,38 +29,6 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 # Allow more graphs, and fail loudly rather than fall back.
 torch._dynamo.config.recompile_limit = 64
 torch._dynamo.config.fail_on_recompile_limit_hit = True
-
-
-# A lock file this old guards no build in progress: the C++ kernels build in about 15 s here.
-STALE_BUILD_LOCK_S = 600
-
-
-def _clear_stale_build_lock() -> None:
-    """Remove the lock of the C++ kernels' build directory when a killed process left it.
-
-    ``torch.utils.cpp_extension`` holds a lock file while it checks or builds an extension and
-    waits, without a timeout, for any lock it finds to go. A process killed inside that window
-    (a Ctrl-C, an interrupted test run) leaves the file, and every later test that loads the
-    kernels then sleeps forever: a whole CI run hung this way until its time limit. Only a lock
-    older than any build is removed, so a build running beside this session keeps its own."""
-    from torch.utils import cpp_extension
-
-    from kvstack import cuda_kernels
-
-    build = Path(cpp_extension._get_build_directory(cuda_kernels._CPU_LIBRARY, verbose=False))
-    lock = build / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_BUILD_LOCK_S:
-        warnings.warn(
-            f"removing {lock}, a build lock {age:.0f} s old that no build holds", stacklevel=2
-        )
-        lock.unlink(missing_ok=True)
-
-
-_clear_stale_build_lock()
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import time
 from pathlib import Path
 
 import hypothesis.strategies as st
@@ -476,22 +475,29 @@ def test_the_cpp_decode_ops_fake_kernels_match_their_schemas(weights):
     torch.library.opcheck(library.ragged_decode.default, (*case.args(), 0.5), test_utils=checks)
 
 
-def test_a_build_lock_left_by_a_killed_process_is_removed_and_a_live_one_kept(
-    tmp_path, monkeypatch
-):
+def test_a_build_lock_a_killed_process_left_never_hangs_a_load_and_a_live_one_is_waited_for():
+    """torch waits without a timeout for its build lock file to go, so one that a killed
+    process left would hang every later load; kvstack's load holds its own lock (the kernel's,
+    released when its holder dies) and removes torch's file when no load holds that."""
+    import fcntl
+    import subprocess
+    import sys
+
     from torch.utils import cpp_extension
 
     from kvstack import cuda_kernels
-    from spec_tests import conftest
 
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    build = cpp_extension._get_build_directory(cuda_kernels._CPU_LIBRARY, verbose=False)
-    lock = Path(build) / "lock"
-    lock.touch()  # a build running now
-    conftest._clear_stale_build_lock()
-    assert lock.exists()
-    old = time.time() - conftest.STALE_BUILD_LOCK_S - 1
-    os.utime(lock, (old, old))  # its process was killed long ago
-    with pytest.warns(UserWarning, match="build lock .* no build holds"):
-        conftest._clear_stale_build_lock()
-    assert not lock.exists()
+    cuda_kernels.load_cpu()  # built here, so the loads below only check the build
+    build = Path(cpp_extension._get_build_directory(cuda_kernels._CPU_LIBRARY, verbose=False))
+    load = [sys.executable, "-c", "from kvstack import cuda_kernels; cuda_kernels.load_cpu()"]
+    (build / "lock").touch()  # what a process killed inside torch's load leaves
+    with open(build / "kvstack.flock", "a") as held:  # a load in progress here
+        fcntl.flock(held, fcntl.LOCK_EX)
+        waiting = subprocess.Popen(load, stderr=subprocess.PIPE, text=True)
+        with pytest.raises(subprocess.TimeoutExpired):
+            waiting.wait(timeout=3)  # it waits for the load in progress, not for ever
+        assert (build / "lock").exists()  # while a load holds the lock, its file is left
+        fcntl.flock(held, fcntl.LOCK_UN)
+    assert waiting.wait(timeout=300) == 0, waiting.stderr.read()
+    assert "a build lock that a killed process left behind" in waiting.stderr.read()
+    assert not (build / "lock").exists()
