@@ -132,7 +132,7 @@ class TokenTableBatch:
                 f"appending {n} tokens to {self.num_tables} tables needs "
                 f"{needed} blocks, but only {pool.num_free_blocks} are free"
             )
-        new_slots = self._take_slots(pool, n)
+        new_slots = self.take_slots(pool, n)
         slots = torch.tensor(new_slots, dtype=torch.int64, device=self.device)  # [N * n]
         # The slots come from blocks these tables own, so the pool's own slot check (two
         # device syncs per append) is skipped: write the rows directly.
@@ -143,15 +143,24 @@ class TokenTableBatch:
         pool.value.view(rows).index_copy_(
             0, device_slots, value.reshape(new_rows).to(pool.value.dtype)
         )
-        self._reserve_columns(self.num_tokens + n)
-        start, self.num_tokens = self.num_tokens, self.num_tokens + n
-        self._slots[:, start : self.num_tokens] = slots.view(self.num_tables, n)
-        self._alive[:, start : self.num_tokens] = True
+        self.record_appended(slots.view(self.num_tables, n))
         return slots.view(self.num_tables, n)
 
-    def _take_slots(self, pool: BlockPool, n: int) -> list[int]:
-        """The reference's append, table by table: released slots first, lowest first, then
-        new blocks from the pool. Returns the slots, table-major; updates the Python lists."""
+    def record_appended(self, slots: torch.Tensor) -> None:
+        """The table half of ``append``: n new logical tokens per table, live, at ``slots``
+        [N, n] (from ``take_slots``, whose rows the caller wrote into the pool). A serving
+        engine writes the rows of many requests' tables in one copy and records each here."""
+        n = slots.shape[1]
+        self._reserve_columns(self.num_tokens + n)
+        start, self.num_tokens = self.num_tokens, self.num_tokens + n
+        self._slots[:, start : self.num_tokens] = slots
+        self._alive[:, start : self.num_tokens] = True
+
+    def take_slots(self, pool: BlockPool, n: int) -> list[int]:
+        """The slot half of ``append`` (which calls it; the caller must then write the rows
+        and ``record_appended``): the reference's append, table by table: released slots
+        first, lowest first, then new blocks from the pool. Returns the slots, table-major;
+        updates the Python lists. The pool must have the blocks (``blocks_needed``)."""
         bs = self.block_size
         new_slots: list[int] = []
         if n == 1:  # a decode step: one slot per table, no list rebuilding
@@ -197,9 +206,17 @@ class TokenTableBatch:
                 f"indices names tokens that are not live: tables {dead}, indices "
                 f"{wanted} of {self.num_tokens} tokens"
             )
+        self.evict_known(indices, released, release=release)
+
+    def evict_known(self, indices: torch.Tensor, slots: list[int], *, release: bool) -> None:
+        """``evict_one_each`` without its checks, for a caller that picked each table's victim
+        among its live tokens itself: ``indices`` [N] their logical indices, ``slots`` their
+        slots (from the live view). A serving engine's decode step, for every request at once,
+        reads both from one device sync instead of two per request."""
+        columns = indices[:, None]  # [N, 1]
         # Columns < num_tokens, so the capacity buffers can be written without slicing them.
         self._alive.scatter_(1, columns, False)
-        for index, slot in enumerate(released):
+        for index, slot in enumerate(slots):
             self.num_live[index] -= 1
             if release:
                 bisect.insort(self.free_slots[index], slot)

@@ -94,6 +94,12 @@ class LogicalScores:
         return self.values[:, :num_tokens]
 
 
+def stack_columns(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[N_i, L_i] each -> [sum N_i, max L_i]: the rows stacked, each zero-filled past its L_i."""
+    width = max(row.shape[1] for row in rows)
+    return torch.cat([F.pad(row, (0, width - row.shape[1])) for row in rows])
+
+
 def _padded_sum(rows: Sequence[torch.Tensor], num_tables: int, num_tokens: int, device):
     """Sum of [N, T_i] rows (T_i <= num_tokens), each zero-padded to [N, num_tokens]."""
     total = torch.zeros(num_tables, num_tokens, device=device)
@@ -191,6 +197,31 @@ class EvictionPolicy:
         first = torch.arange(alive.shape[1], device=alive.device)[None, :] < excess[:, None]
         return torch.zeros_like(alive).scatter_(1, order, first)
 
+    def batched_decode(self) -> bool:
+        """Whether a serving engine may run a decode step of many caches' layers at once
+        through ``batched_decode_scores`` (``kvstack.serve.evicting_decode``): the policy
+        implements it and protects tokens by the shared rule (sinks and recent window)."""
+        return (
+            type(self).batched_decode_scores is not EvictionPolicy.batched_decode_scores
+            and type(self).protected is EvictionPolicy.protected
+        )
+
+    def batched_decode_scores(
+        self,
+        states: list[Any],
+        indices: list[torch.Tensor],
+        num_tokens: list[int],
+        received: torch.Tensor,
+    ) -> torch.Tensor:
+        """A decode step of R caches' layers at once, each table holding its budget + 1 live
+        tokens: ``states`` the layers' states, ``indices`` [N_i, L_i] each layer's view (its
+        tables' live tokens in logical order), ``num_tokens`` each layer's logical length,
+        ``received`` [sum N_i, W] the attention each view column got this step, summed over
+        the table's query heads (0 past a row's L_i). Observes the step into every state and
+        returns the scores by column [sum N_i, W] (past a row's L_i: anything): exactly what
+        ``observe_columns`` then ``scores`` give at those columns, with the same floats."""
+        raise NotImplementedError(f"{type(self).__name__} has no batched decode")
+
     def choose_one_victim_each(
         self, state: Any, alive: torch.Tensor, live_indices: torch.Tensor, budget: int
     ) -> torch.Tensor | None:
@@ -286,6 +317,18 @@ class H2O(EvictionPolicy):
 
     def scores(self, state: LogicalScores, alive: torch.Tensor) -> torch.Tensor:
         return state.at(alive.shape[1], alive.device)
+
+    def batched_decode_scores(self, states, indices, num_tokens, received):
+        sums = [s.at(n, received.device) for s, n in zip(states, num_tokens, strict=True)]
+        # observe_columns' scatter_add_: one addition per column, the old sum plus the step's.
+        scores = stack_columns([s.gather(1, i) for s, i in zip(sums, indices, strict=True)])
+        scores += received
+        start = 0
+        for values, columns in zip(sums, indices, strict=True):
+            end = start + columns.shape[0]
+            values.scatter_(1, columns, scores[start:end, : columns.shape[1]])
+            start = end
+        return scores
 
 
 class TOVA(EvictionPolicy):
@@ -434,6 +477,51 @@ class SnapKV(EvictionPolicy):
         )[:, 0]
         compact = torch.where(in_prefix, pooled, compact)
         return torch.empty_like(votes).scatter_(1, order, compact)
+
+    def batched_decode_scores(self, states, indices, num_tokens, received):
+        device = received.device
+        closed = stack_columns(
+            [
+                s["closed"].at(n, device).gather(1, i)
+                for s, i, n in zip(states, indices, num_tokens, strict=True)
+            ]
+        )  # [sum N, W]
+        opened = stack_columns(
+            [
+                s["open"].at(n, device).gather(1, i)
+                for s, i, n in zip(states, indices, num_tokens, strict=True)
+            ]
+        )
+        opened += received  # ``observe`` of one query: it joins the open window
+        start = 0
+        for state, columns, n in zip(states, indices, num_tokens, strict=True):
+            rows, width = slice(start, start + columns.shape[0]), columns.shape[1]
+            state["open_queries"] += 1
+            if state["open_queries"] == self.window:  # it closes and replaces the last closed
+                state["closed"], state["open"] = state["open"], state["closed"]
+                state["open"].at(n, device).zero_()
+                state["open_queries"] = 0
+                closed[rows] = opened[rows]
+                opened[rows] = 0.0
+                state["closed"].at(n, device).scatter_(1, columns, closed[rows, :width])
+            else:
+                state["open"].at(n, device).scatter_(1, columns, opened[rows, :width])
+            start = rows.stop
+        votes = closed + opened  # [sum N, W]: each row's live tokens in order, as ``scores``
+        # ``scores``' pooling: the prefix (a row's live tokens but the window) only.
+        live = torch.tensor(
+            [columns.shape[1] for columns in indices for _ in range(columns.shape[0])],
+            device=device,
+        )
+        prefix = (live - self.window).clamp(min=0)[:, None]  # [sum N, 1]
+        in_prefix = torch.arange(votes.shape[1], device=device)[None, :] < prefix
+        pooled = F.max_pool1d(
+            votes.masked_fill(~in_prefix, -math.inf)[:, None, :],  # [sum N, 1, W]
+            self.kernel_size,
+            stride=1,
+            padding=self.kernel_size // 2,
+        )[:, 0]
+        return torch.where(in_prefix, pooled, votes)
 
 
 # The policies by the name the CLI, the demo and the benchmarks use.

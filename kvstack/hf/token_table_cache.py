@@ -169,6 +169,31 @@ class TokenTableLayer(PagedLayer):
         else:
             mask = self.policy.choose_victims(self.state, batch.alive, self.budgets)
             evicted = batch.evict(mask, release=self.cache.reclaim)
+        self._after_eviction(evicted)
+
+    def batched_decode_budget(self) -> int | None:
+        """The budget every table holds when this layer's next step may be a serving engine's
+        batched decode (``kvstack.serve.evicting_decode``), else None. That needs its prefill
+        done, one budget for all tables, every table holding exactly that many live tokens (so
+        the step appends one token to each and evicts one from each), and a policy with a
+        ``batched_decode``."""
+        budgets = self.budgets
+        if not (budgets and self.prefilled and self.pending is None and self.window is None):
+            return None
+        budget, live = budgets[0], self.batch.num_live
+        if min(budgets) != max(budgets) or min(live) != budget or max(live) != budget:
+            return None
+        return budget if self.policy.batched_decode() else None
+
+    def finish_batched_decode(self, victims: torch.Tensor, slots: list[int]) -> None:
+        """``after_attention`` of a batched decode step whose victims the engine chose: table
+        i's live token at logical index ``victims[i]`` ([N]), in slot ``slots[i]``."""
+        self.batch.evict_known(victims, slots, release=self.cache.reclaim)
+        self._after_eviction([1] * self.batch.num_tables)
+
+    def _after_eviction(self, evicted: list[int]) -> None:
+        """Reclaim after each table lost ``evicted[i]`` tokens: repack where worth it."""
+        batch = self.batch
         if self.cache.reclaim:  # a table that just lost tokens may now be worth repacking
             block = self.block_size
             for index, count in enumerate(evicted):

@@ -43,6 +43,7 @@ from kvstack import ops
 from kvstack.hf import attention as kv_attention
 from kvstack.hf import kvstack_attention
 from kvstack.reference.attention import AttentionOutput
+from kvstack.serve import evicting_decode
 
 SEGMENTS_KWARG = "kvstack_segments"  # the step's segments, passed through the model call
 UNSUPPORTED = ("softcap", "s_aux", "sinks")  # kvstack_attention refuses these; it says why
@@ -79,8 +80,17 @@ def serve_attention(
     )
     outs: list[torch.Tensor | None] = [None] * len(segments)
     decodes: list[tuple[int, Any]] = []  # (segment index, its cache layer)
+    # geometry -> (segment index, its steady layer, the slots its tables took)
+    steady: dict[tuple, list[tuple[int, Any, list[int]]]] = {}
     for index, segment in enumerate(segments):
         r, s, e = segment.row, segment.start, segment.end
+        if batchable and e - s == 1:
+            layer = evicting_decode.steady_layer(segment.cache, module.layer_idx)
+            if layer is not None:  # stored, attended and evicted with its peers below
+                taken = evicting_decode.take_slots(layer)  # in the step's order, as update's
+                group = steady.setdefault(evicting_decode.geometry(layer), [])
+                group.append((index, layer, taken))
+                continue
         k, v = segment.cache.update(
             key[r : r + 1, :, s:e], value[r : r + 1, :, s:e], module.layer_idx
         )
@@ -100,6 +110,19 @@ def serve_attention(
         for (index, _), out in zip(
             decodes, attend_decodes([layer for _, layer in decodes], queries, scaling), strict=True
         ):
+            outs[index] = out
+    for members in steady.values():
+        attended = evicting_decode.attend_steady_decodes(
+            [layer for _, layer, _ in members],
+            [taken for _, _, taken in members],
+            [segments[i].row for i, _, _ in members],
+            [segments[i].start for i, _, _ in members],
+            query,
+            key,
+            value,
+            scaling,
+        )
+        for (index, _, _), out in zip(members, attended, strict=True):
             outs[index] = out
     # A packed step: [1, T, H_q, D]; a batch of one decode row per request: [R, 1, H_q, D].
     return torch.cat(outs, dim=0 if query.shape[0] > 1 else 1), None

@@ -1,0 +1,169 @@
+"""Decode tokens of evicting requests, every request of a step in one pass per layer.
+
+``serve_attention``'s general path hands each request's decode token to its own cache
+(``update``), attends all of them in one call, then lets each request's layer observe the
+weights and evict one token per table: some twenty small tensor ops and as many Python calls
+per request and layer. For SmolLM2 on a CPU that costs as much as the model itself, and it is
+why an evicting engine's time per output token was far above a lossless one's at the same
+batch (whose requests share one ``StepContext``).
+
+Here the requests whose layer is in its steady decode state (``TokenTableLayer
+.batched_decode_budget``: prefill done, every table at its budget, a policy with a batched
+decode: H2O, SnapKV) share the work per layer:
+
+1. **Append.** Each table's slot for the new token comes from its own free list, in the
+   reference's order (``TokenTableBatch.take_slots``); the K/V rows of every request go into
+   the arena in one copy, since all the engine's pools view one arena with one geometry.
+2. **Attend.** One ``paged_attention`` call with weights over the requests' live views, padded
+   to the widest (as ``attend_decodes``).
+3. **Score.** The policy observes the step's weights, summed over each table's query heads,
+   into every request's state and scores every view column at once
+   (``EvictionPolicy.batched_decode_scores``: H2O's sums, SnapKV's window votes and pooling,
+   gathered at the columns and stacked). One masked argmin picks every table's victim: its
+   lowest score past the sinks and before the recent window, the older token on a tie
+   (``EvictionPolicy.choose_one_victim_each``'s rule).
+4. **Evict.** The victims' logical indices and slots come back in one device sync; each table
+   marks its victim dead, frees the slot and repacks where worth it
+   (``TokenTableLayer.finish_batched_decode``).
+
+Every score is the same float the general path computes (the same additions and pooling, at
+the columns instead of by logical index), and argmin is the same rule, so each request keeps
+exactly the tokens its cache would keep alone:
+``spec_tests/test_serve_evicting_decode.py`` pins the tokens and the tables to the general
+path's.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from kvstack import ops
+from kvstack.hf import attention as kv_attention
+from kvstack.hf.token_table_cache import TokenTableCache, TokenTableLayer
+
+
+def steady_layer(cache: Any, layer_idx: int) -> TokenTableLayer | None:
+    """``cache``'s layer ``layer_idx`` when its next step may be a batched decode, else None.
+    Only ``TokenTableLayer`` itself: a subclass (``HeadwiseLayer``'s ragged groups) keeps its
+    own attention."""
+    if not isinstance(cache, TokenTableCache):
+        return None
+    layer = cache.layers[layer_idx]
+    if type(layer) is not TokenTableLayer or not layer.is_initialized:
+        return None
+    return layer if layer.batched_decode_budget() is not None else None
+
+
+def geometry(layer: TokenTableLayer) -> tuple:
+    """What layers must share to be attended together: the same arena seen as the same blocks
+    (storage, shape, strides), the same split of KV heads into tables, the same policy."""
+    key = layer.pool.key
+    shape = (key.data_ptr(), tuple(key.shape), key.stride(), layer.groups, layer.heads_per_table)
+    return (*shape, id(layer.policy))  # one policy scores them all
+
+
+def take_slots(layer: TokenTableLayer) -> list[int]:
+    """Step 1's first half, called in the step's request order (so that every request's tables
+    take the arena's blocks in the order the general path's appends would): room for one token
+    per table (``ArenaExhausted`` changes nothing), then each table's slot for it."""
+    layer._reserve(1)
+    return layer.batch.take_slots(layer.pool, 1)
+
+
+def attend_steady_decodes(
+    layers: list[TokenTableLayer],
+    taken: list[list[int]],
+    rows: list[int],
+    tokens: list[int],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+) -> list[torch.Tensor]:
+    """One decode token of each of R requests through their steady layers (one ``geometry``),
+    whose tables took their slots ``taken`` (``take_slots``): request i's token is
+    ``query``/``key``/``value`` [B, H, T, D] at row ``rows[i]`` and step position
+    ``tokens[i]``. Stores every token, attends, evicts one token per table. Returns
+    [1, 1, H_q, D] per request, in order."""
+    first = layers[0]
+    pool = first.pool
+    device = pool.key.device
+    groups, per_table, head_dim = first.groups, first.heads_per_table, pool.head_dim
+
+    # 1. Append: the K/V rows of every request in one copy.
+    flat = [slot for slots in taken for slot in slots]
+    new_slots = torch.tensor(flat, dtype=torch.int64, device=device)  # [R * groups]
+    pick_rows = torch.tensor(rows, device=key.device)
+    pick_tokens = torch.tensor(tokens, device=key.device)
+    # [R, H_kv, D] -> [R * groups, per_table, D]: table-major, a table's heads together.
+    table_rows = (-1, per_table, head_dim)
+    arena_rows = (pool.num_slots, per_table, head_dim)  # the arena as [S, per_table, D]
+    for store, step in ((pool.key, key), (pool.value, value)):
+        new_rows = step[pick_rows, :, pick_tokens].reshape(table_rows).to(store.dtype)
+        store.view(arena_rows).index_copy_(0, new_slots, new_rows)
+    for index, layer in enumerate(layers):
+        layer.batch.record_appended(new_slots[index * groups : (index + 1) * groups, None])
+
+    # 2. Attend: every table's live tokens (budget + 1 each), padded to the widest.
+    views = [layer.attention_view() for layer in layers]  # (K, V, slots [N, L], indices)
+    width = max(view[2].shape[1] for view in views)
+    slots = torch.cat([_pad(view[2], width, -1) for view in views])  # [R * groups, width]
+    positions = torch.cat([_pad(view[3], width, 0) for view in views])  # logical indices
+    newest = torch.tensor(
+        [layer.batch.num_tokens - 1 for layer in layers for _ in range(groups)], device=device
+    )[:, None]  # [R * groups, 1]: each row sees all its live tokens
+    # [R, H_q, D] -> [R, 1, H_q, D] -> [R * groups, 1, H_q / groups, D]
+    queries = first.split_query(query[pick_rows, :, pick_tokens][:, None])
+    result = ops.get("paged_attention", kv_attention._BACKEND, device=device)(
+        queries,
+        pool.key,
+        pool.value,
+        slots,
+        positions,
+        newest,
+        scale=scaling,
+        return_weights=True,
+        check=False,  # built from the layers' own tables and the shared arena
+    )
+
+    # 3. Score: the policy observes the step's weights (summed over each table's query heads)
+    # into every state and scores each view column.
+    # [R * groups, H', 1, width] -> [R * groups, width]
+    received = result.weights.sum(dim=(1, 2)).float()
+    scores = first.policy.batched_decode_scores(
+        [layer.state for layer in layers],
+        [view[3] for view in views],
+        [layer.batch.num_tokens for layer in layers],
+        received,
+    )  # [R * groups, width]
+    # Candidates: past the sinks, before the recent window (each table holds budget + 1).
+    low, high = [], []
+    for layer, view in zip(layers, views, strict=True):
+        budget = layer.budgets[0]
+        low += [layer.policy.sink_tokens] * groups
+        high += [view[3].shape[1] - layer.policy.recent_window(budget)] * groups
+    column = torch.arange(width, device=device)[None, :]  # [1, width]
+    candidate = (column >= torch.tensor(low, device=device)[:, None]) & (
+        column < torch.tensor(high, device=device)[:, None]
+    )
+    # argmin returns the first minimum: the older token on a tie, as choose_one_victim_each.
+    victim_column = scores.masked_fill(~candidate, math.inf).argmin(dim=1, keepdim=True)
+    victims = positions.gather(1, victim_column)[:, 0]  # [R * groups] logical indices
+    victim_slots = slots.gather(1, victim_column)[:, 0].tolist()  # the one device sync
+
+    # 4. Evict.
+    out = first.merge_output(result.out)  # [R * groups, 1, H', D] -> [R, 1, H_q, D]
+    for index, layer in enumerate(layers):
+        rows = slice(index * groups, (index + 1) * groups)
+        layer.finish_batched_decode(victims[rows], victim_slots[rows])
+    return list(out.split(1))  # [1, 1, H_q, D] each
+
+
+def _pad(rows: torch.Tensor, width: int, value: float) -> torch.Tensor:
+    """[N, w] -> [N, width], filled with ``value`` on the right."""
+    if rows.shape[1] == width:
+        return rows
+    return torch.nn.functional.pad(rows, (0, width - rows.shape[1]), value=value)

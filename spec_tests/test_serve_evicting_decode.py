@@ -1,0 +1,206 @@
+"""The engine's batched decode of evicting requests (``kvstack.serve.evicting_decode``) is the
+general path's work, fused across requests: after every step each request's token tables
+(slots, liveness, free lists, blocks) and policy scores are the ones the general path leaves,
+and each request gets the same tokens.
+
+Both engines run the same requests side by side; the general one has the batched path switched
+off. Random tiny Llama models (fp32, CPU), on the reference attention and on the fastest
+backend here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvstack.hf
+from kvstack.arena import KVArena
+from kvstack.policies import H2O, TOVA, LogicalScores, SnapKV
+from kvstack.serve import CacheSpec, Engine, evicting_decode
+from spec_tests.tiny import tiny_serving_llama
+
+BLOCK_BYTES = 16 * 1 * 16 * 2 * 4  # a per-head block: 16 tokens x 1 KV head x dim 16 x K, V x fp32
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_serving_llama(max_position_embeddings=1024)
+
+
+@pytest.fixture(params=["reference", None], ids=["reference", "fastest"])
+def backend(request):
+    kvstack.hf.set_backend(request.param)
+    try:
+        yield request.param
+    finally:
+        kvstack.hf.set_backend(None)
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(1, 256, (length,), generator=gen).tolist()
+
+
+class Counted:
+    """``attend_steady_decodes`` that counts the requests it attends (batched_rows)."""
+
+    def __init__(self, real):
+        self.real, self.rows = real, 0
+
+    def __call__(self, layers, *args):
+        self.rows += len(layers)
+        return self.real(layers, *args)
+
+
+def tables_of(handle) -> list[tuple]:
+    """Everything a request's evicting layers hold: per layer its tables' slots, liveness,
+    live counts, free lists, blocks, and the policy's state (scores by logical index)."""
+    cache = handle.cache
+    if cache is None:
+        return []
+    held = []
+    for layer in cache.paged_layers:
+        if not layer.is_initialized:
+            continue
+        batch = layer.batch
+        held.append(
+            (
+                batch.num_tokens,
+                batch.slots.tolist(),
+                batch.alive.tolist(),
+                list(batch.num_live),
+                [list(free) for free in batch.free_slots],
+                [list(blocks) for blocks in batch.blocks],
+                plain(layer.state, batch.num_tokens),
+            )
+        )
+    return held
+
+
+def plain(state, num_tokens: int):
+    """A policy state as plain values: its per-token scores up to ``num_tokens``."""
+    if isinstance(state, LogicalScores):
+        return state.at(num_tokens, state.values.device).tolist()
+    if isinstance(state, torch.Tensor):
+        return state.tolist()
+    if isinstance(state, dict):
+        return {key: plain(value, num_tokens) for key, value in state.items()}
+    return state
+
+
+def side_by_side(model, spec, requests, monkeypatch, capacity_blocks=400):
+    """Run ``requests`` (ids, new tokens, arrival step) on two engines, the batched decode on
+    in the first and off in the second; after every step the two must hold the same tables
+    and scores. Returns (the batched path's row count, the handles of both)."""
+    import kvstack.serve.attention as serve_attention
+
+    counted = Counted(evicting_decode.attend_steady_decodes)
+    real_steady = evicting_decode.steady_layer
+    engines = [
+        Engine(
+            model,
+            KVArena(capacity_blocks * BLOCK_BYTES),
+            cache=spec,
+            max_batch_tokens=48,
+            prefill_chunk=16,
+        )
+        for _ in range(2)
+    ]
+    handles: list[list] = [[], []]
+    step = 0
+    while step == 0 or any(e.has_work() for e in engines):
+        for which, serving in enumerate(engines):
+            for ids, n, arrival in requests:
+                if arrival == step:
+                    handles[which].append(serving.submit(ids, n))
+            batched = which == 0
+            monkeypatch.setattr(
+                serve_attention.evicting_decode,
+                "steady_layer",
+                real_steady if batched else (lambda cache, layer_idx: None),
+            )
+            monkeypatch.setattr(serve_attention.evicting_decode, "attend_steady_decodes", counted)
+            serving.step()
+        for mine, general in zip(*handles, strict=True):
+            assert mine.output_ids == general.output_ids
+            assert tables_of(mine) == tables_of(general)
+        step += 1
+        assert step < 500, "the engines made no progress"
+    for serving in engines:
+        assert serving.arena.bytes_used == 0
+        serving.arena.check_invariants()
+    return counted.rows, handles
+
+
+@pytest.mark.parametrize(
+    "policy, reclaim",
+    [(H2O(), True), (H2O(), False), (H2O(sink_tokens=2, recent_fraction=0.25), True)],
+    ids=["h2o", "h2o_naive", "h2o_sinks"],
+)
+def test_batched_decodes_leave_the_tables_and_scores_the_general_path_leaves(
+    model, backend, policy, reclaim, monkeypatch
+):
+    # Prompts of different lengths (budgets 10 to 25 at ratio 0.5), arriving over steps, so
+    # that decodes of different widths share steps with each other and with prefill chunks.
+    requests = [(prompt(20 + 10 * i, 40 + i), 12, 2 * i) for i in range(4)]
+    spec = CacheSpec(policy=policy, ratio=0.5, reclaim=reclaim)
+    rows, handles = side_by_side(model, spec, requests, monkeypatch)
+    # The prefill evicts down to the budget, so every decode step (each stores an output token
+    # but the last) of every request ran batched, in every layer.
+    decode_steps = sum(len(h.output_ids) - 1 for h in handles[0])
+    layers = model.config.num_hidden_layers
+    assert rows == decode_steps * layers
+
+
+@pytest.mark.parametrize("window", [1, 4])
+def test_snapkv_decodes_batched_keep_its_window_votes_and_pooling(
+    model, backend, window, monkeypatch
+):
+    # Windows of 1 query close at every step; of 4, every fourth: both swaps are exercised.
+    requests = [(prompt(24 + 8 * i, 70 + i), 10, i) for i in range(3)]
+    spec = CacheSpec(policy=SnapKV(window=window, kernel_size=3), budget=12)
+    rows, handles = side_by_side(model, spec, requests, monkeypatch)
+    decode_steps = sum(len(h.output_ids) - 1 for h in handles[0])
+    assert rows == decode_steps * model.config.num_hidden_layers
+
+
+def test_a_policy_without_a_batched_decode_keeps_the_general_path(model, monkeypatch):
+    requests = [(prompt(24 + 8 * i, 75 + i), 6, 0) for i in range(3)]
+    spec = CacheSpec(policy=TOVA(), ratio=0.5)
+    rows, _ = side_by_side(model, spec, requests, monkeypatch)
+    assert rows == 0
+
+
+def test_a_table_below_its_budget_keeps_the_general_path_until_it_reaches_it(model, monkeypatch):
+    # A budget of 40 tokens and prompts of 20 and 30: the tables fill by decoding, evict
+    # nothing until they hold 40, and only then are batched.
+    requests = [(prompt(20, 90), 24, 0), (prompt(30, 91), 14, 0)]
+    spec = CacheSpec(policy=H2O(), budget=40)
+    rows, handles = side_by_side(model, spec, requests, monkeypatch)
+    layers = model.config.num_hidden_layers
+    # Request 0 reaches 40 tokens after its 20th new token is stored, request 1 after its 10th:
+    # decode steps that store tokens 41.. are batched.
+    batched_steps = (20 + 23 - 40) + (30 + 13 - 40)
+    assert rows == batched_steps * layers
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    lengths=st.lists(
+        st.tuples(st.integers(4, 60), st.integers(1, 10), st.integers(0, 6)), min_size=1, max_size=4
+    ),
+    ratio=st.sampled_from([0.3, 0.5, 1.0]),
+    sinks=st.integers(0, 2),
+    seed=st.integers(0, 1000),
+)
+def test_random_requests_batched_or_not_hold_the_same_tables(model, lengths, ratio, sinks, seed):
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        kvstack.hf.set_backend("reference")
+        try:
+            requests = [(prompt(p, seed + i), n, a) for i, (p, n, a) in enumerate(lengths)]
+            spec = CacheSpec(policy=H2O(sink_tokens=sinks), ratio=ratio)
+            side_by_side(model, spec, requests, monkeypatch)
+        finally:
+            kvstack.hf.set_backend(None)
