@@ -27,6 +27,14 @@ prompt. Greedy decoding, no stop ids (every request makes its whole output).
   p95 TPOT is at most ``SLA_FACTOR`` x the TPOT of one request decoding alone on the lossless
   engine (measured in the same run). vToken reports 1.37x. A cache that meets the SLA at no
   rate has SLA throughput 0.
+* ``serve.batched_evicting_decode.{policy}``: the time of a decode step of
+  ``BATCHED_DECODE_REQUESTS`` of the trace's requests at once, every one at its budget, on
+  ``serve_attention``'s general path (per request and layer: the cache's ``update``, then
+  ``observe_attention`` and ``after_attention``) ÷ on the batched one
+  (``kvstack.serve.evicting_decode``: each layer's appends, scores and evictions for all of them
+  at once). One engine: blocks of ``BATCHED_DECODE_BLOCK`` steps on each path alternate,
+  ``BATCHED_DECODE_ROUNDS`` of each, and the medians of their step times are compared (both
+  paths leave the same tables, so the blocks continue one run). Only the path differs.
 * ``serve.over_hf_continuous_batching``: output tokens/s of the lossless engine on the fixed
   arena ÷ transformers' own continuous batching (``ContinuousBatchingManager``, what
   ``generate_batch`` runs, each request with its own length) on a paged cache of the same bytes
@@ -53,6 +61,7 @@ prompt. Greedy decoding, no stop ids (every request makes its whole output).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -102,6 +111,10 @@ REPEATS = 3  # timed runs of each engine configuration: wall time and p95 TPOT a
 RATE_FACTORS = (0.5, 1.0, 2.0)
 QUICK_RATE_FACTORS = (2.0,)
 HF_PAGE_SIZE = 16  # tokens per block of transformers' paged cache: kvstack's block size
+# The batched evicting decode against the general path: the trace's first requests decoding
+# together, in alternating blocks of steps on each path.
+BATCHED_DECODE_REQUESTS, BATCHED_DECODE_ROUNDS, BATCHED_DECODE_BLOCK = 8, 5, 4
+QUICK_BATCHED_DECODE = (2, 2, 2)  # requests, rounds, block
 
 
 @dataclass
@@ -203,6 +216,48 @@ def run_trace(
         outputs=[h.output_ids for h in handles],
         tpot_p95_s=percentile([h.stats.tpot_s for h in handles if h.stats.tokens > 1], 0.95),
     )
+
+
+def batched_decode_steps(
+    model: Any, spec: Any, prompts: list[list[int]], rounds: int, block: int
+) -> tuple[list[float], list[float]]:
+    """Seconds of decode steps of ``prompts`` on one engine (an arena that holds them all),
+    once every prompt is in: ``rounds`` blocks of ``block`` steps with evicting decodes batched
+    (``kvstack.serve.evicting_decode``), each followed by a block on the general path. Returns
+    (batched step seconds, general step seconds). The requests then finish and the arena must
+    be empty."""
+    from kvstack.arena import KVArena
+    from kvstack.serve import Engine, evicting_decode
+
+    steps = 2 * rounds * block
+    requests = [(ids, steps + 1) for ids in prompts]  # the last token of each: no decode step
+    arena = KVArena(2 * full_kv_bytes(model, requests), dtype=next(model.parameters()).dtype)
+    engine = Engine(
+        model, arena, cache=spec, max_batch_tokens=MAX_BATCH_TOKENS, prefill_chunk=PREFILL_CHUNK
+    )
+    handles = [engine.submit(ids, new) for ids, new in requests]
+    while not all(handle.output_ids for handle in handles):  # every prompt in
+        engine.step()
+    batched: list[float] = []
+    general: list[float] = []
+    for _ in range(rounds):
+        for times, path in (
+            (batched, contextlib.nullcontext),
+            (general, evicting_decode.general_path_only),
+        ):
+            with path():
+                for _ in range(block):
+                    start = time.perf_counter()
+                    produced = engine.step()
+                    times.append(time.perf_counter() - start)
+                    if len(produced) != len(prompts):
+                        raise AssertionError(
+                            f"a decode step made {len(produced)} tokens, not {len(prompts)}"
+                        )
+    engine.run()
+    if arena.bytes_used:
+        raise AssertionError(f"{arena.bytes_used} arena bytes still in use after the decode steps")
+    return batched, general
 
 
 def full_kv_bytes(model: Any, requests: list[tuple[list[int], int]]) -> int:
@@ -755,6 +810,27 @@ def _measure(quick: bool, log: Callable[[str], None]) -> Measured:
                 f"and all at once, TokenTableCache({policy}, ratio={RATIO:g}) ÷ {what}",
             )
 
+    count, rounds, block = (
+        QUICK_BATCHED_DECODE
+        if quick
+        else (BATCHED_DECODE_REQUESTS, BATCHED_DECODE_ROUNDS, BATCHED_DECODE_BLOCK)
+    )
+    batched_decode = {}
+    for policy in POLICIES:
+        log(f"batched evicting decode: {policy}, {count} requests, {rounds} x {block} steps a path")
+        batched, general = batched_decode_steps(
+            model, specs[policy], [ids for ids, _ in requests[:count]], rounds, block
+        )
+        batched_decode[policy] = {"batched_step_s": batched, "general_step_s": general}
+        figures[f"serve.batched_evicting_decode.{policy}"] = Figure(
+            statistics.median(general) / statistics.median(batched),
+            "ratio",
+            f"decode step time of {count} requests at their budgets, TokenTableCache({policy}, "
+            f"ratio={RATIO:g}): serve_attention's general path ÷ the batched one "
+            f"(kvstack.serve.evicting_decode), one engine, {rounds} alternating blocks of "
+            f"{block} steps on each, medians",
+        )
+
     hf_wall = statistics.median(t[0] for t in hf_tries)
     _, hf_outputs, hf_cache_bytes = hf_tries[0]
     output_tokens = sum(new for _, new in requests)
@@ -821,6 +897,13 @@ def _measure(quick: bool, log: Callable[[str], None]) -> Measured:
             "closed_rate_requests_per_s": base_rate,
             "rate_factors": list(rate_factors),
             "sla_tokens_per_s": {label: sla_throughput(label) for label in specs},
+        },
+        "batched_evicting_decode": {
+            "requests": count,
+            "prompt_tokens": [len(ids) for ids, _ in requests[:count]],
+            "rounds": rounds,
+            "steps_per_block": block,
+            "policies": batched_decode,
         },
         "hf_continuous_batching": {
             "seconds": hf_wall,

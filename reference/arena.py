@@ -505,13 +505,17 @@ class KVArena:
         self._resize(self._round_to_segments(max(end, self.capacity + 1)))
 
     def trim(self) -> None:
-        """Give whole empty segments back to torch (private arenas): when at least two segments
-        beyond the pages and reservations are free, compact and shrink to the segment above
-        them. Fixed arenas never change size."""
+        """Give whole empty segments back to torch (private arenas): when a whole segment
+        above the pages and reservations (rounded up to segments) is free, compact and shrink
+        to the segment above them, so at most the last segment's remainder is held unused.
+        Fixed arenas never change size. (Kept at two segments, a 1 MiB segment left an evicting
+        SmolLM2 cache holding 1 MiB more than it could use: 3 % of the full KV it replaces.
+        A cache's reservation, not this slack, keeps a steady decode from shrinking and growing
+        by turns.)"""
         if not self.growable:
             return
         floor = max(sum(self.used.values()), sum(self.reservations.values()))
-        if self.capacity - self._round_to_segments(floor) < 2 * self.segment:
+        if self.capacity - self._round_to_segments(floor) < self.segment:
             return
         self.compact(two_ended=False)
         high = max((page.end for page in self.pages), default=0)

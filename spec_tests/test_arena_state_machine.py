@@ -20,9 +20,9 @@ invariants check after every step that
   A3        a request for more than the arena holds raises ``ArenaExhausted`` naming the bytes
             needed and the bytes free, and changes nothing (compared exactly, and against the
             model);
-and, on a private arena (``KVArena.private``), that ``trim()`` leaves at most two segments of
-real bytes (``arena.capacity_bytes``, the buffer's storage) beyond the pages, and that real
-bytes fall after frees. Teardown releases everything: the arena is then empty.
+and, on a private arena (``KVArena.private``), that ``trim()`` keeps no whole segment of real
+bytes (``arena.capacity_bytes``, the buffer's storage) above the compacted pages and the
+reservations, and that real bytes fall after frees. Teardown releases everything: the arena is then empty.
 
 Every argument of a step is a plain value (K/V rows come from a seed), so a shrunk failure
 prints as a program that replays it.
@@ -596,13 +596,22 @@ class ArenaMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------------- private arena
     def check_trimmed(self, before: int) -> None:
-        """After ``trim``: real bytes never rose, and exceed the pages by under two segments."""
-        real = self.arena.buffer.untyped_storage().nbytes()
-        assert real == self.arena.capacity_bytes <= before, (real, before)
-        spare = self.arena.capacity_bytes - self.arena.bytes_used
+        """After ``trim``: real bytes never rose, exceed the pages by under two segments, and
+        the top segment holds part of a page or of a reservation (no whole segment is kept
+        empty: what is spare is the alignment between pages of different kinds, and the rest
+        of the last segment)."""
+        arena = self.arena
+        real = arena.buffer.untyped_storage().nbytes()
+        assert real == arena.capacity_bytes <= before, (real, before)
+        spare = arena.capacity_bytes - arena.bytes_used
         assert spare < 2 * SEGMENT_BYTES, (
-            f"{self.arena.capacity_bytes} real bytes for {self.arena.bytes_used} used"
+            f"{arena.capacity_bytes} real bytes for {arena.bytes_used} used"
         )
+        high = max((page.end for page in arena.pages), default=0) * arena.itemsize
+        reserved = sum(arena.reservations.values()) * arena.itemsize
+        assert arena.capacity_bytes == 0 or arena.capacity_bytes - SEGMENT_BYTES < max(
+            high, reserved
+        ), f"{arena.capacity_bytes} real bytes, pages end at {high}, {reserved} reserved"
 
     def teardown(self) -> None:
         """Release everything: no page is left and the free space is one extent."""
@@ -617,7 +626,7 @@ class ArenaMachine(RuleBasedStateMachine):
         assert arena.free_extents == whole, arena.free_extents
         arena.check_invariants()
         if self.private:
-            assert arena.capacity_bytes < 2 * SEGMENT_BYTES
+            assert arena.capacity_bytes == 0  # every segment given back
         else:
             assert arena.capacity_bytes == FIXED_CAPACITY // 4 * 4  # fixed: never resized
 

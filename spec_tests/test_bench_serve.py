@@ -11,6 +11,7 @@ from kvstack.bench.serve import (
     RecompileLimitWatch,
     _hf_continuous_batching,
     arrival_times,
+    batched_decode_steps,
     full_kv_bytes,
     hybrid_config,
     largest_request_bytes,
@@ -71,6 +72,27 @@ def test_a_reclaiming_cache_never_outgrows_its_admission_while_naive_evict_does(
     )
     assert naive_run.preemptions > 0 and reclaim_run.preemptions == 0
     assert naive_run.outputs == reclaim_run.outputs  # the same evictions, only memory differs
+
+
+def test_the_batched_decode_is_timed_against_the_general_path_on_one_engine(model, monkeypatch):
+    from kvstack.serve import evicting_decode
+
+    calls = []
+    real = evicting_decode.attend_steady_decodes
+
+    def counted(layers, *args):
+        calls.append(len(layers))
+        return real(layers, *args)
+
+    monkeypatch.setattr(evicting_decode, "attend_steady_decodes", counted)
+    prompts = [ids for ids, _ in requests(3)]
+    batched, general = batched_decode_steps(
+        model, CacheSpec(policy=H2O(), ratio=0.5), prompts, rounds=2, block=3
+    )
+    assert len(batched) == len(general) == 6
+    assert all(seconds > 0 for seconds in batched + general)
+    # Only the batched blocks' steps ran batched: every layer, all three requests at once.
+    assert calls == [3] * (6 * TINY["num_hidden_layers"])
 
 
 def test_percentile_interpolates_between_order_statistics():

@@ -10,6 +10,8 @@ backend here.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -94,10 +96,9 @@ def side_by_side(model, spec, requests, monkeypatch, capacity_blocks=400):
     """Run ``requests`` (ids, new tokens, arrival step) on two engines, the batched decode on
     in the first and off in the second; after every step the two must hold the same tables
     and scores. Returns (the batched path's row count, the handles of both)."""
-    import kvstack.serve.attention as serve_attention
 
     counted = Counted(evicting_decode.attend_steady_decodes)
-    real_steady = evicting_decode.steady_layer
+    monkeypatch.setattr(evicting_decode, "attend_steady_decodes", counted)
     engines = [
         Engine(
             model,
@@ -115,14 +116,8 @@ def side_by_side(model, spec, requests, monkeypatch, capacity_blocks=400):
             for ids, n, arrival in requests:
                 if arrival == step:
                     handles[which].append(serving.submit(ids, n))
-            batched = which == 0
-            monkeypatch.setattr(
-                serve_attention.evicting_decode,
-                "steady_layer",
-                real_steady if batched else (lambda cache, layer_idx: None),
-            )
-            monkeypatch.setattr(serve_attention.evicting_decode, "attend_steady_decodes", counted)
-            serving.step()
+            with contextlib.nullcontext() if which == 0 else evicting_decode.general_path_only():
+                serving.step()
         for mine, general in zip(*handles, strict=True):
             assert mine.output_ids == general.output_ids
             assert tables_of(mine) == tables_of(general)

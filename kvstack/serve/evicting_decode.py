@@ -35,7 +35,9 @@ path's.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -44,12 +46,26 @@ from kvstack import ops
 from kvstack.hf import attention as kv_attention
 from kvstack.hf.token_table_cache import TokenTableCache, TokenTableLayer
 
+_ENABLED = True
+
+
+@contextlib.contextmanager
+def general_path_only() -> Iterator[None]:
+    """Within it, every evicting decode takes ``serve_attention``'s general path: what the
+    batched one is measured against (``kvstack bench serve``) and tested against."""
+    global _ENABLED
+    enabled, _ENABLED = _ENABLED, False
+    try:
+        yield
+    finally:
+        _ENABLED = enabled
+
 
 def steady_layer(cache: Any, layer_idx: int) -> TokenTableLayer | None:
     """``cache``'s layer ``layer_idx`` when its next step may be a batched decode, else None.
     Only ``TokenTableLayer`` itself: a subclass (``HeadwiseLayer``'s ragged groups) keeps its
     own attention."""
-    if not isinstance(cache, TokenTableCache):
+    if not _ENABLED or not isinstance(cache, TokenTableCache):
         return None
     layer = cache.layers[layer_idx]
     if type(layer) is not TokenTableLayer or not layer.is_initialized:
