@@ -216,6 +216,11 @@ def move_pages_inputs(draw):
             cursor += sizes[i]
         runs = [(sources[i], destinations[i], sizes[i]) for i in order if moving[i]]
         total = max(src_base, dst_base) + sum(sizes) + draw(st.integers(0, 4))
+    # Pages of several elements each (KV blocks): every offset and size a multiple of ``unit``,
+    # and a buffer that may end mid-unit.
+    unit = draw(st.sampled_from([1, 1, 2, 16]))
+    runs = [(src * unit, dst * unit, size * unit) for src, dst, size in runs]
+    total = total * unit + draw(st.integers(0, unit - 1))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
     buffer = torch.randn(total, generator=gen).to(dtype)  # [E] distinct values
     src, dst, size = (torch.tensor([run[k] for run in runs], dtype=torch.int64) for k in range(3))
