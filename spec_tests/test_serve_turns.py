@@ -419,7 +419,15 @@ def test_bad_turn_store_input_is_refused_and_changes_nothing(model, tmp_path):
         store.prefix_kv("a/b", computed)
     with pytest.raises(InvalidArgumentError, match="kept no K/V"):
         store.save_turn("ben", plain)
-    assert state() == before
+    # A turn the engine would refuse is refused before the store reads ann's pages (a read
+    # would bring the dropped page back by recomputing it and count hits).
+    with pytest.raises(InvalidArgumentError, match="max_new_tokens"):
+        store.submit(engine, "ann", computed + [5], 0)
+    with pytest.raises(InvalidArgumentError, match="input_ids holds token id"):
+        store.submit(engine, "ann", computed + [10**6], 4)
+    with pytest.raises(InvalidArgumentError, match="sampling must be"):
+        store.submit(engine, "ann", computed + [5], 4, sampling="greedy")
+    assert state() == before and not engine.has_work()
     with pytest.raises(InvalidArgumentError, match="cannot hold one page"):
         TurnStore(model, host_bytes=page_bytes(model) - 1)
     with pytest.raises(InvalidArgumentError, match="cannot hold one page file"):

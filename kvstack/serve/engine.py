@@ -284,6 +284,50 @@ class Engine:
         CPU):
         a conversation's next turn reuses them instead of computing its history again. The
         same caches only."""
+        prompt, max_new_tokens, stops, sampling = self._checked_submit(
+            input_ids, max_new_tokens, eos_token_id, stop_ids, sampling, keep_kv
+        )
+        if prefix_kv is not None:
+            prefix_kv = self._check_prefix_kv(prefix_kv, len(prompt))
+        request = Request(
+            id=self._next_id,
+            prompt_ids=prompt,
+            max_new_tokens=max_new_tokens,
+            stop_ids=stops,
+            sampling=sampling,
+            stats=RequestStats(submitted_at=time.perf_counter()),
+            prefix_kv=prefix_kv,
+            keep_kv=keep_kv,
+        )
+        self._next_id += 1
+        self._waiting.append(request)
+        return request
+
+    def check_submit(
+        self,
+        input_ids: Any,
+        max_new_tokens: int,
+        *,
+        eos_token_id: int | Iterable[int] | None = None,
+        stop_ids: Iterable[int] | None = None,
+        sampling: Sampling | None = None,
+        keep_kv: bool = False,
+    ) -> None:
+        """Raise what ``submit`` would raise for these arguments (all but ``prefix_kv``) and
+        change nothing: for a caller with work of its own to do before it submits, such as
+        ``TurnStore.submit``, which reads a conversation's pages back to build ``prefix_kv``."""
+        self._checked_submit(input_ids, max_new_tokens, eos_token_id, stop_ids, sampling, keep_kv)
+
+    def _checked_submit(
+        self,
+        input_ids: Any,
+        max_new_tokens: int,
+        eos_token_id: Any,
+        stop_ids: Any,
+        sampling: Any,
+        keep_kv: Any,
+    ) -> tuple[list[int], int, frozenset[int], Sampling]:
+        """``submit``'s checks: (prompt ids, max_new_tokens, stop ids, sampling), or the error."""
         prompt = token_ids("input_ids", input_ids)
         vocab = self.model.config.get_text_config(decoder=True).vocab_size
         if max(prompt) >= vocab:
@@ -308,8 +352,6 @@ class Engine:
                 f"more than the arena's capacity of {self.arena.capacity_bytes} bytes can "
                 "give it; it could never run"
             )
-        if prefix_kv is not None:
-            prefix_kv = self._check_prefix_kv(prefix_kv, len(prompt))
         if not isinstance(keep_kv, bool):
             raise InvalidArgumentError(f"keep_kv={keep_kv!r}; expected a bool")
         if keep_kv and not self._stacked:
@@ -318,19 +360,7 @@ class Engine:
                 f"full attention, in the kvstack layout; this engine runs {self.spec} in the "
                 f"{self.layout.name} layout" + (" on a hybrid model" if self.hybrid else "")
             )
-        request = Request(
-            id=self._next_id,
-            prompt_ids=prompt,
-            max_new_tokens=max_new_tokens,
-            stop_ids=stops,
-            sampling=sampling,
-            stats=RequestStats(submitted_at=time.perf_counter()),
-            prefix_kv=prefix_kv,
-            keep_kv=keep_kv,
-        )
-        self._next_id += 1
-        self._waiting.append(request)
-        return request
+        return prompt, max_new_tokens, stops, sampling
 
     def _check_prefix_kv(self, prefix_kv: Any, prompt_tokens: int) -> tuple[Any, Any]:
         """``prefix_kv`` checked against this engine and a prompt of ``prompt_tokens``; the

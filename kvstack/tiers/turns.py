@@ -44,6 +44,7 @@ import torch
 from transformers import DynamicCache
 
 from kvstack.errors import InvalidArgumentError, PageCorrupted
+from kvstack.serve.request import token_ids
 from kvstack.tiers.disk import check_key, encode_page
 from kvstack.tiers.eviction import LRU, EvictionRule, PageInfo
 from kvstack.tiers.store import TieredStore
@@ -268,8 +269,11 @@ class TurnStore:
     ) -> Any:
         """``engine.submit`` of a conversation's next turn (``input_ids``: the conversation so
         far and the new message), with the K/V the store rebuilds as ``prefix_kv`` and
-        ``keep_kv=True``. Pass the handle to ``save_turn`` when it is done."""
-        ids = [int(t) for t in input_ids]
+        ``keep_kv=True``. Pass the handle to ``save_turn`` when it is done. Arguments the
+        engine would refuse are refused before the store reads anything (a read moves pages
+        between tiers and counts hits)."""
+        engine.check_submit(input_ids, max_new_tokens, keep_kv=True, **kwargs)
+        ids = token_ids("input_ids", input_ids)
         prefix = self.prefix_kv(conversation, ids)
         return engine.submit(ids, max_new_tokens, prefix_kv=prefix, keep_kv=True, **kwargs)
 
