@@ -224,13 +224,16 @@ def batched_decode_steps(
     """Seconds of decode steps of ``prompts`` on one engine (an arena that holds them all),
     once every prompt is in: ``rounds`` blocks of ``block`` steps with evicting decodes batched
     (``kvstack.serve.evicting_decode``), each followed by a block on the general path. Returns
-    (batched step seconds, general step seconds). The requests then finish and the arena must
-    be empty."""
+    (batched step seconds, general step seconds). The requests are then cancelled, and the
+    arena must be empty."""
     from kvstack.arena import KVArena
     from kvstack.serve import Engine, evicting_decode
 
     steps = 2 * rounds * block
-    requests = [(ids, steps + 1) for ids in prompts]  # the last token of each: no decode step
+    # Short prompts decode while long ones are still prefilling (a chunk a step each): enough
+    # tokens that every request still decodes through every timed step, whatever it made before.
+    before = sum(-(-len(ids) // PREFILL_CHUNK) for ids in prompts)
+    requests = [(ids, before + steps + 1) for ids in prompts]
     arena = KVArena(2 * full_kv_bytes(model, requests), dtype=next(model.parameters()).dtype)
     engine = Engine(
         model, arena, cache=spec, max_batch_tokens=MAX_BATCH_TOKENS, prefill_chunk=PREFILL_CHUNK
@@ -254,7 +257,8 @@ def batched_decode_steps(
                         raise AssertionError(
                             f"a decode step made {len(produced)} tokens, not {len(prompts)}"
                         )
-    engine.run()
+    for handle in handles:
+        engine.cancel(handle)
     if arena.bytes_used:
         raise AssertionError(f"{arena.bytes_used} arena bytes still in use after the decode steps")
     return batched, general

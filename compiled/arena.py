@@ -26,8 +26,8 @@ def move_pages(
     if sizes.numel() == 0:
         return
     device = buffer.device
-    # Rows of g elements: every run starts and ends on a row boundary (sizes are positive).
-    g = math.gcd(*src_offsets.tolist(), *dst_offsets.tolist(), *sizes.tolist())
+    # Rows of g elements: every run starts and ends on a row boundary (1 if all are 0).
+    g = math.gcd(*src_offsets.tolist(), *dst_offsets.tolist(), *sizes.tolist()) or 1
     src_offsets, dst_offsets, sizes = (
         values.to(device, torch.int64) for values in (src_offsets, dst_offsets, sizes)
     )

@@ -94,10 +94,16 @@ class LogicalScores:
         return self.values[:, :num_tokens]
 
 
-def stack_columns(rows: Sequence[torch.Tensor]) -> torch.Tensor:
-    """[N_i, L_i] each -> [sum N_i, max L_i]: the rows stacked, each zero-filled past its L_i."""
+def stack_columns(rows: Sequence[torch.Tensor], fill: float = 0) -> torch.Tensor:
+    """[N_i, L_i] each -> [sum N_i, max L_i]: the rows stacked, each filled with ``fill`` past
+    its L_i."""
     width = max(row.shape[1] for row in rows)
-    return torch.cat([F.pad(row, (0, width - row.shape[1])) for row in rows])
+    return torch.cat(
+        [
+            row if row.shape[1] == width else F.pad(row, (0, width - row.shape[1]), value=fill)
+            for row in rows
+        ]
+    )
 
 
 def _padded_sum(rows: Sequence[torch.Tensor], num_tables: int, num_tokens: int, device):

@@ -163,6 +163,7 @@ class KVArena:
             )
         self.growable = False
         self.segment = 0  # elements; a private arena's growth step
+        self._fruitless_trim: tuple | None = None  # (pages, floor, capacity) of a trim in vain
         self._move = move
         self._init_storage(capacity_bytes // self.itemsize)
 
@@ -517,11 +518,18 @@ class KVArena:
         floor = max(sum(self.used.values()), sum(self.reservations.values()))
         if self.capacity - self._round_to_segments(floor) < self.segment:
             return
+        # Pages of different alignments can leave gaps that keep the compacted pages in the top
+        # segment: such a trim frees nothing, and is not tried again until pages come or go.
+        attempt = (len(self.pages), floor, self.capacity)
+        if attempt == self._fruitless_trim:
+            return
         self.compact(two_ended=False)
         high = max((page.end for page in self.pages), default=0)
         target = self._round_to_segments(max(high, sum(self.reservations.values())))
         if target < self.capacity:
             self._resize(target)
+        else:
+            self._fruitless_trim = attempt
 
     def _resize(self, elements: int) -> None:
         """Replace ``buffer`` by one of ``elements`` (pages keep their offsets; all lie below)."""

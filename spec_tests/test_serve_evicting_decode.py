@@ -56,9 +56,10 @@ class Counted:
         return self.real(layers, *args)
 
 
-def tables_of(handle) -> list[tuple]:
-    """Everything a request's evicting layers hold: per layer its tables' slots, liveness,
-    live counts, free lists, blocks, and the policy's state (scores by logical index)."""
+def tables_of(handle, slots: bool = True) -> list[tuple]:
+    """Everything a request's evicting layers hold: per layer its tables' liveness, live
+    counts, slots, free lists and blocks (unless ``slots`` is False), the policy's state
+    (scores by logical index), and the live tokens' K/V."""
     cache = handle.cache
     if cache is None:
         return []
@@ -67,18 +68,34 @@ def tables_of(handle) -> list[tuple]:
         if not layer.is_initialized:
             continue
         batch = layer.batch
+        where = (
+            (
+                batch.slots.tolist(),
+                [list(free) for free in batch.free_slots],
+                [list(blocks) for blocks in batch.blocks],
+            )
+            if slots
+            else None
+        )
         held.append(
             (
                 batch.num_tokens,
-                batch.slots.tolist(),
                 batch.alive.tolist(),
                 list(batch.num_live),
-                [list(free) for free in batch.free_slots],
-                [list(blocks) for blocks in batch.blocks],
+                where,
                 plain(layer.state, batch.num_tokens),
+                live_kv(layer),
             )
         )
     return held
+
+
+def live_kv(layer) -> list:
+    """Every table's live K/V rows, in logical order (whatever slots hold them)."""
+    _, live = layer.batch.live_view()  # [N, L] slots, -1 padding
+    keys, values = layer.pool.read(live.clamp(min=0).flatten())  # [N * L, heads, D]
+    real = (live >= 0).flatten()
+    return [keys[real].tolist(), values[real].tolist()]
 
 
 def plain(state, num_tokens: int):
@@ -92,13 +109,22 @@ def plain(state, num_tokens: int):
     return state
 
 
-def side_by_side(model, spec, requests, monkeypatch, capacity_blocks=400):
+def side_by_side(model, spec, requests, monkeypatch, capacity_blocks=400, compact=False):
     """Run ``requests`` (ids, new tokens, arrival step) on two engines, the batched decode on
     in the first and off in the second; after every step the two must hold the same tables
-    and scores. Returns (the batched path's row count, the handles of both)."""
-
+    and scores. ``compact``: the batched engine's arena compacts after each request's slots
+    are taken (as a later request's room may make it), so slots differ and only what they
+    hold is compared. Returns (the batched path's row count, the handles of both)."""
     counted = Counted(evicting_decode.attend_steady_decodes)
     monkeypatch.setattr(evicting_decode, "attend_steady_decodes", counted)
+    if compact:
+        real_take = evicting_decode.take_slots
+
+        def take_then_compact(layer):
+            real_take(layer)
+            layer.pool.arena.compact()
+
+        monkeypatch.setattr(evicting_decode, "take_slots", take_then_compact)
     engines = [
         Engine(
             model,
@@ -120,7 +146,7 @@ def side_by_side(model, spec, requests, monkeypatch, capacity_blocks=400):
                 serving.step()
         for mine, general in zip(*handles, strict=True):
             assert mine.output_ids == general.output_ids
-            assert tables_of(mine) == tables_of(general)
+            assert tables_of(mine, not compact) == tables_of(general, not compact)
         step += 1
         assert step < 500, "the engines made no progress"
     for serving in engines:
@@ -154,11 +180,47 @@ def test_snapkv_decodes_batched_keep_its_window_votes_and_pooling(
     model, backend, window, monkeypatch
 ):
     # Windows of 1 query close at every step; of 4, every fourth: both swaps are exercised.
+    # Budgets of 12 to 20 tokens: rows of different widths pool beside each other's padding.
     requests = [(prompt(24 + 8 * i, 70 + i), 10, i) for i in range(3)]
-    spec = CacheSpec(policy=SnapKV(window=window, kernel_size=3), budget=12)
+    spec = CacheSpec(policy=SnapKV(window=window, kernel_size=3), ratio=0.5)
     rows, handles = side_by_side(model, spec, requests, monkeypatch)
     decode_steps = sum(len(h.output_ids) - 1 for h in handles[0])
     assert rows == decode_steps * model.config.num_hidden_layers
+
+
+def test_a_compaction_between_requests_slots_moves_them_and_the_rows_follow(model, monkeypatch):
+    # Requests that finish at different times leave holes, so compactions move blocks, slots
+    # taken for this step's tokens among them; the tokens' K/V must land where their tables
+    # say after the move.
+    requests = [(prompt(20 + 9 * i, 110 + i), 4 + 3 * i, i) for i in range(4)]
+    spec = CacheSpec(policy=H2O(), ratio=0.5)
+    moved = []
+    real_compact = KVArena.compact
+
+    def counted(arena, **kwargs):
+        before = arena.compactions
+        real_compact(arena, **kwargs)
+        moved.append(arena.compactions - before)
+
+    monkeypatch.setattr(KVArena, "compact", counted)
+    rows, _ = side_by_side(model, spec, requests, monkeypatch, compact=True)
+    assert rows > 0 and sum(moved) > 0  # batched steps, and compactions that moved blocks
+
+
+class ScoresLikeH2OButOlderFirst(H2O):
+    """A subclass that changes H2O's scores: it inherits the batched scores, not their meaning."""
+
+    def scores(self, state, alive):
+        return -super().scores(state, alive)
+
+
+def test_a_subclass_that_changes_what_the_batched_scores_stand_for_keeps_the_general_path(
+    model, monkeypatch
+):
+    requests = [(prompt(24 + 8 * i, 80 + i), 6, 0) for i in range(3)]
+    spec = CacheSpec(policy=ScoresLikeH2OButOlderFirst(), ratio=0.5)
+    rows, _ = side_by_side(model, spec, requests, monkeypatch)
+    assert rows == 0
 
 
 def test_a_policy_without_a_batched_decode_keeps_the_general_path(model, monkeypatch):

@@ -80,16 +80,14 @@ def serve_attention(
     )
     outs: list[torch.Tensor | None] = [None] * len(segments)
     decodes: list[tuple[int, Any]] = []  # (segment index, its cache layer)
-    # geometry -> (segment index, its steady layer, the slots its tables took)
-    steady: dict[tuple, list[tuple[int, Any, list[int]]]] = {}
+    steady: dict[tuple, list[tuple[int, Any]]] = {}  # geometry -> (segment index, steady layer)
     for index, segment in enumerate(segments):
         r, s, e = segment.row, segment.start, segment.end
         if batchable and e - s == 1:
             layer = evicting_decode.steady_layer(segment.cache, module.layer_idx)
             if layer is not None:  # stored, attended and evicted with its peers below
-                taken = evicting_decode.take_slots(layer)  # in the step's order, as update's
-                group = steady.setdefault(evicting_decode.geometry(layer), [])
-                group.append((index, layer, taken))
+                evicting_decode.take_slots(layer)  # in the step's order, as update's
+                steady.setdefault(evicting_decode.geometry(layer), []).append((index, layer))
                 continue
         k, v = segment.cache.update(
             key[r : r + 1, :, s:e], value[r : r + 1, :, s:e], module.layer_idx
@@ -113,16 +111,15 @@ def serve_attention(
             outs[index] = out
     for members in steady.values():
         attended = evicting_decode.attend_steady_decodes(
-            [layer for _, layer, _ in members],
-            [taken for _, _, taken in members],
-            [segments[i].row for i, _, _ in members],
-            [segments[i].start for i, _, _ in members],
+            [layer for _, layer in members],
+            [segments[i].row for i, _ in members],
+            [segments[i].start for i, _ in members],
             query,
             key,
             value,
             scaling,
         )
-        for (index, _, _), out in zip(members, attended, strict=True):
+        for (index, _), out in zip(members, attended, strict=True):
             outs[index] = out
     # A packed step: [1, T, H_q, D]; a batch of one decode row per request: [R, 1, H_q, D].
     return torch.cat(outs, dim=0 if query.shape[0] > 1 else 1), None

@@ -22,7 +22,7 @@ decode: H2O, SnapKV) share the work per layer:
    gathered at the columns and stacked). One masked argmin picks every table's victim: its
    lowest score past the sinks and before the recent window, the older token on a tie
    (``EvictionPolicy.choose_one_victim_each``'s rule).
-4. **Evict.** The victims' logical indices and slots come back in one device sync; each table
+4. **Evict.** The victims' slots come back to the host in one read; each table
    marks its victim dead, frees the slot and repacks where worth it
    (``TokenTableLayer.finish_batched_decode``).
 
@@ -36,6 +36,7 @@ path's.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -45,6 +46,7 @@ import torch
 from kvstack import ops
 from kvstack.hf import attention as kv_attention
 from kvstack.hf.token_table_cache import TokenTableCache, TokenTableLayer
+from kvstack.policies import stack_columns
 
 _ENABLED = True
 
@@ -70,7 +72,36 @@ def steady_layer(cache: Any, layer_idx: int) -> TokenTableLayer | None:
     layer = cache.layers[layer_idx]
     if type(layer) is not TokenTableLayer or not layer.is_initialized:
         return None
+    if not _scores_stand_for_the_policy(type(layer.policy)):
+        return None
     return layer if layer.batched_decode_budget() is not None else None
+
+
+# What a decode step of the general path asks the policy; ``batched_decode_scores`` stands for
+# all of them.
+_GENERAL_METHODS = (
+    "observe",
+    "observe_columns",
+    "observed_queries",
+    "skip_queries",
+    "scores",
+    "protected",
+    "recent_window",
+    "choose_one_victim_each",
+)
+
+
+@functools.cache
+def _scores_stand_for_the_policy(policy_type: type) -> bool:
+    """Whether ``policy_type``'s ``batched_decode_scores`` gives what its general methods give:
+    each of them is defined by the class that defines ``batched_decode_scores`` or by a base of
+    it. A subclass of H2O that overrides ``scores``, say, keeps the batched scores it inherits
+    but not their meaning: it takes the general path."""
+    mro = policy_type.__mro__
+    owner = next(cls for cls in mro if "batched_decode_scores" in vars(cls))
+    return all(
+        next(cls for cls in mro if name in vars(cls)) in owner.__mro__ for name in _GENERAL_METHODS
+    )
 
 
 def geometry(layer: TokenTableLayer) -> tuple:
@@ -81,17 +112,20 @@ def geometry(layer: TokenTableLayer) -> tuple:
     return (*shape, id(layer.policy))  # one policy scores them all
 
 
-def take_slots(layer: TokenTableLayer) -> list[int]:
+def take_slots(layer: TokenTableLayer) -> None:
     """Step 1's first half, called in the step's request order (so that every request's tables
     take the arena's blocks in the order the general path's appends would): room for one token
-    per table (``ArenaExhausted`` changes nothing), then each table's slot for it."""
+    per table (``ArenaExhausted`` changes nothing in this layer), then each table's slot for it,
+    recorded in the table at once. A later request's room may compact the arena, which renames
+    recorded slots with the rest of the table; the rows are written where the table says then."""
     layer._reserve(1)
-    return layer.batch.take_slots(layer.pool, 1)
+    taken = layer.batch.take_slots(layer.pool, 1)
+    slots = torch.tensor(taken, dtype=torch.int64, device=layer.batch.device)
+    layer.batch.record_appended(slots[:, None])  # [N, 1]
 
 
 def attend_steady_decodes(
     layers: list[TokenTableLayer],
-    taken: list[list[int]],
     rows: list[int],
     tokens: list[int],
     query: torch.Tensor,
@@ -100,7 +134,7 @@ def attend_steady_decodes(
     scaling: float | None,
 ) -> list[torch.Tensor]:
     """One decode token of each of R requests through their steady layers (one ``geometry``),
-    whose tables took their slots ``taken`` (``take_slots``): request i's token is
+    whose tables hold a slot for it (``take_slots``): request i's token is
     ``query``/``key``/``value`` [B, H, T, D] at row ``rows[i]`` and step position
     ``tokens[i]``. Stores every token, attends, evicts one token per table. Returns
     [1, 1, H_q, D] per request, in order."""
@@ -109,9 +143,8 @@ def attend_steady_decodes(
     device = pool.key.device
     groups, per_table, head_dim = first.groups, first.heads_per_table, pool.head_dim
 
-    # 1. Append: the K/V rows of every request in one copy.
-    flat = [slot for slots in taken for slot in slots]
-    new_slots = torch.tensor(flat, dtype=torch.int64, device=device)  # [R * groups]
+    # 1. Append: the K/V rows of every request in one copy, to each table's newest slot.
+    new_slots = torch.cat([layer.batch.slots[:, -1] for layer in layers]).to(device)  # [R * groups]
     pick_rows = torch.tensor(rows, device=key.device)
     pick_tokens = torch.tensor(tokens, device=key.device)
     # [R, H_kv, D] -> [R * groups, per_table, D]: table-major, a table's heads together.
@@ -120,14 +153,12 @@ def attend_steady_decodes(
     for store, step in ((pool.key, key), (pool.value, value)):
         new_rows = step[pick_rows, :, pick_tokens].reshape(table_rows).to(store.dtype)
         store.view(arena_rows).index_copy_(0, new_slots, new_rows)
-    for index, layer in enumerate(layers):
-        layer.batch.record_appended(new_slots[index * groups : (index + 1) * groups, None])
 
     # 2. Attend: every table's live tokens (budget + 1 each), padded to the widest.
     views = [layer.attention_view() for layer in layers]  # (K, V, slots [N, L], indices)
-    width = max(view[2].shape[1] for view in views)
-    slots = torch.cat([_pad(view[2], width, -1) for view in views])  # [R * groups, width]
-    positions = torch.cat([_pad(view[3], width, 0) for view in views])  # logical indices
+    slots = stack_columns([view[2] for view in views], fill=-1)  # [R * groups, width]
+    positions = stack_columns([view[3] for view in views])  # their logical indices
+    width = slots.shape[1]
     newest = torch.tensor(
         [layer.batch.num_tokens - 1 for layer in layers for _ in range(groups)], device=device
     )[:, None]  # [R * groups, 1]: each row sees all its live tokens
@@ -168,18 +199,12 @@ def attend_steady_decodes(
     # argmin returns the first minimum: the older token on a tie, as choose_one_victim_each.
     victim_column = scores.masked_fill(~candidate, math.inf).argmin(dim=1, keepdim=True)
     victims = positions.gather(1, victim_column)[:, 0]  # [R * groups] logical indices
-    victim_slots = slots.gather(1, victim_column)[:, 0].tolist()  # the one device sync
+    # The one read back to the host (the other host values go to the device).
+    victim_slots = slots.gather(1, victim_column)[:, 0].tolist()
 
     # 4. Evict.
     out = first.merge_output(result.out)  # [R * groups, 1, H', D] -> [R, 1, H_q, D]
     for index, layer in enumerate(layers):
-        rows = slice(index * groups, (index + 1) * groups)
-        layer.finish_batched_decode(victims[rows], victim_slots[rows])
+        own = slice(index * groups, (index + 1) * groups)  # its tables' rows
+        layer.finish_batched_decode(victims[own], victim_slots[own])
     return list(out.split(1))  # [1, 1, H_q, D] each
-
-
-def _pad(rows: torch.Tensor, width: int, value: float) -> torch.Tensor:
-    """[N, w] -> [N, width], filled with ``value`` on the right."""
-    if rows.shape[1] == width:
-        return rows
-    return torch.nn.functional.pad(rows, (0, width - rows.shape[1]), value=value)
