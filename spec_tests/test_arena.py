@@ -323,6 +323,32 @@ def test_private_arena_real_bytes_fall_after_eviction_repack_and_trim():
     assert pool.key.untyped_storage().data_ptr() == arena.buffer.untyped_storage().data_ptr()
 
 
+class Quiet:
+    """A page owner that needs no news of moves (its pages hold nothing the test reads)."""
+
+    def pages_moved(self, moves: dict) -> None:
+        pass
+
+
+def test_a_trim_that_cannot_free_a_segment_is_not_retried_until_pages_come_or_go(monkeypatch):
+    segment = 1024  # bytes: 256 elements
+    arena = KVArena.private(segment_bytes=segment)
+    small = arena.allocate(Quiet(), "kv", 10)
+    arena.allocate(Quiet(), "kv", 100, align=256)  # can only start at 0 or 256: at 256
+    assert arena.capacity_bytes == 2 * segment
+    compactions = []
+    real_compact = arena.compact
+    monkeypatch.setattr(arena, "compact", lambda **kw: compactions.append(1) or real_compact(**kw))
+    # 110 elements fit one segment, but the aligned page keeps the top one: nothing to give back.
+    arena.trim()
+    arena.trim()
+    assert arena.capacity_bytes == 2 * segment and len(compactions) == 1  # tried once
+    arena.free(small)  # now the aligned page can slide to 0
+    arena.trim()
+    assert arena.capacity_bytes == segment and len(compactions) == 2
+    arena.check_invariants()
+
+
 def test_peak_bytes_reserved_counts_both_buffers_during_a_resize():
     segment = 1024  # bytes: 256 elements
     arena = KVArena.private(segment_bytes=segment)
