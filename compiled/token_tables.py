@@ -17,8 +17,11 @@ Equivalence with the reference is exact, not approximate: appends fill released 
 lowest first, then take new blocks from the pool table by table in table order, just as N
 reference tables appended in order would; eviction and release are the reference's; a token's
 position is its logical index (what ``TokenTable.append`` gives without explicit positions).
-``table(i)`` materialises table i as a reference ``TokenTable`` and ``set_table`` writes one back,
-so the rare operations (repack planning, beam forks) run the reference code itself.
+``repack(i)`` is the reference's repack plan and execution for table i in tensor ops (an
+evicting prefill repacks, after each chunk, every table that can free a block, and the
+reference's Python loops over tokens made that a large share of a chunk's step). ``table(i)`` materialises table i as
+a reference ``TokenTable`` and ``set_table`` writes one back, so the rare operations (beam
+forks) run the reference code itself.
 ``spec_tests/test_token_table_batch.py`` drives both with random operation sequences.
 
 Why not torch.compile: these are tiny index ops on a few thousand entries; a compiled graph's
@@ -29,12 +32,14 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable
 
 import torch
 
 from kvstack.errors import DeadTokenError, InvalidArgumentError, PoolExhausted
 from kvstack.reference.block_pool import BlockPool
 from kvstack.reference.checks import FLOAT_DTYPES, check_positive_int, check_tensor
+from kvstack.reference.repack import DEFAULT_WASTE_THRESHOLD, copy_slots
 from kvstack.reference.token_table import TokenTable
 
 
@@ -252,6 +257,66 @@ class TokenTableBatch:
                     start += count
             self._slots[:, : self.num_tokens].masked_fill_(victims, -1)
         return counts
+
+    def repack(
+        self,
+        index: int,
+        pool: BlockPool,
+        *,
+        threshold: float = DEFAULT_WASTE_THRESHOLD,
+        force: bool = False,
+        copy: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] = copy_slots,
+    ) -> bool:
+        """Implements ``kvstack.reference.repack.plan_repack`` then ``execute_repack`` on table
+        ``index``, in tensor ops where the reference loops over tokens: the same kept blocks (the
+        fullest; ties to the block taken earliest), the same moves (the live tokens of the freed
+        blocks in logical order, onto the kept blocks' slots that hold no live token, ascending),
+        copied before the table switches to them (I3), and the same sorted free list. Returns
+        whether it repacked: not when F <= ``threshold`` (unless ``force``) or when no whole block
+        can be freed. ``copy`` is a ``copy_slots`` implementation."""
+        self._check_pool(pool)
+        if (
+            isinstance(index, bool)
+            or not isinstance(index, int)
+            or not 0 <= index < self.num_tables
+        ):
+            raise InvalidArgumentError(
+                f"index must be a table index in [0, {self.num_tables}), got {index!r}"
+            )
+        if not 0.0 <= threshold < 1.0:
+            raise InvalidArgumentError(f"threshold must be in [0, 1), got {threshold!r}")
+        bs = self.block_size
+        blocks = self.blocks[index]
+        needed = math.ceil(self.num_live[index] / bs)
+        if needed >= len(blocks) or (not force and self.waste(index) <= threshold):
+            return False
+        pool.check_allocated("the table's blocks", blocks)  # a foreign pool changes nothing
+        row = self._slots[index, : self.num_tokens]  # [T] a view: the switch writes through it
+        alive = self.alive[index]  # [T]
+        live_index = alive.nonzero()[:, 0]  # [L] logical order
+        live_slot = row[live_index]  # [L]
+        live_block = live_slot // bs  # [L]
+        owned = torch.tensor(blocks, device=self.device)  # [B] in the order taken
+        live_per_block = (live_block[:, None] == owned[None, :]).sum(dim=0)  # [B]
+        # A stable sort keeps ties in the order taken, as the reference's sorted() does.
+        by_fullness = torch.sort(-live_per_block, stable=True).indices  # [B]
+        kept, freed = owned[by_fullness[:needed]], owned[by_fullness[needed:]]
+        offsets = torch.arange(bs, device=self.device)
+        kept_slots = (torch.sort(kept).values[:, None] * bs + offsets).flatten()  # [K * bs]
+        destinations = kept_slots[~torch.isin(kept_slots, live_slot)]
+        moving = torch.isin(live_block, freed)  # [L]
+        moved_tokens, src = live_index[moving], live_slot[moving]
+        dst = destinations[: src.numel()]
+        device = pool.key.device
+        copy(pool.key, pool.value, src.to(device), dst.to(device))  # I3: copy ...
+        # ... then switch; a repack reclaims: dead tokens that still held a slot lose it.
+        row[moved_tokens] = dst
+        row.masked_fill_(~alive, -1)
+        freed_set = set(freed.tolist())
+        self.blocks[index] = [block for block in blocks if block not in freed_set]
+        self.free_slots[index] = kept_slots[~torch.isin(kept_slots, row[live_index])].tolist()
+        pool.free([block for block in blocks if block in freed_set])
+        return True
 
     def rename_blocks(self, renamed: dict[int, int]) -> None:
         """Blocks moved in memory (an arena compaction): block ``b`` is now ``renamed[b]``. Every

@@ -35,6 +35,7 @@ last, so protection is a slice. Both give exactly what the general methods give 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections.abc import Sequence
@@ -112,6 +113,33 @@ def _padded_sum(rows: Sequence[torch.Tensor], num_tables: int, num_tokens: int, 
     for row in rows:
         total[:, : row.shape[1]] += row
     return total
+
+
+# What a decode step of the general path asks the policy; ``batched_decode_scores`` stands for
+# all of them.
+_GENERAL_DECODE_METHODS = (
+    "observe",
+    "observe_columns",
+    "observed_queries",
+    "skip_queries",
+    "scores",
+    "protected",
+    "recent_window",
+    "choose_one_victim_each",
+)
+
+
+@functools.cache
+def _batched_scores_hold(policy_type: type) -> bool:
+    """Whether ``policy_type``'s ``batched_decode_scores`` gives what its general methods give:
+    each of them is defined by the class that defines ``batched_decode_scores`` or by a base of
+    it."""
+    mro = policy_type.__mro__
+    owner = next(cls for cls in mro if "batched_decode_scores" in vars(cls))
+    return all(
+        next(cls for cls in mro if name in vars(cls)) in owner.__mro__
+        for name in _GENERAL_DECODE_METHODS
+    )
 
 
 class EvictionPolicy:
@@ -206,10 +234,13 @@ class EvictionPolicy:
     def batched_decode(self) -> bool:
         """Whether a serving engine may run a decode step of many caches' layers at once
         through ``batched_decode_scores`` (``kvstack.serve.evicting_decode``): the policy
-        implements it and protects tokens by the shared rule (sinks and recent window)."""
+        implements it, protects tokens by the shared rule (sinks and recent window), and its
+        batched scores still mean what its general methods compute (``_batched_scores_hold``:
+        a subclass of H2O that overrides ``scores``, say, keeps the general path)."""
         return (
             type(self).batched_decode_scores is not EvictionPolicy.batched_decode_scores
             and type(self).protected is EvictionPolicy.protected
+            and _batched_scores_hold(type(self))
         )
 
     def batched_decode_scores(

@@ -123,6 +123,11 @@ def test_requests_arriving_over_time_keep_their_tokens_and_the_run_lasts_past_th
     assert arriving.outputs == at_once.outputs
     assert arriving.wall_seconds >= 0.3
     assert at_once.tpot_p95_s > 0 and arriving.tpot_p95_s > 0
+    # The SLA sweep's engines schedule for the SLA: the same tokens, however tight it is.
+    targeted = run_trace(
+        model, 4 * full_kv_bytes(model, trace), CacheSpec(), trace, tpot_target=1e-6
+    )
+    assert targeted.outputs == at_once.outputs
 
 
 def test_transformers_continuous_batching_baseline_makes_generates_tokens(model):

@@ -1,8 +1,8 @@
 """``TokenTableBatch`` (compiled/) is N reference ``TokenTable``s (reference/), exactly.
 
 Both are driven through the same random operation sequence — appends of a few tokens to every
-table, per-table evictions with and without release, a repack of one table through
-``table``/``set_table`` — each against its own pool that starts from the same shuffled free
+table, per-table evictions with and without release, a repack of one table (the batch's own
+``repack``, or the reference's through ``table``/``set_table``) — each against its own pool that starts from the same shuffled free
 list. After every operation the batch must hold what the reference tables hold: the same slot
 for every logical token, the same liveness, blocks and sorted free slots, the same K/V bytes at
 every live slot, the same pool free list, and an attention view that lists each table's live
@@ -19,7 +19,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from kvstack.compiled.token_tables import TokenTableBatch
-from kvstack.errors import DeadTokenError, InvalidArgumentError, PoolExhausted
+from kvstack.errors import DeadTokenError, DoubleFreeError, InvalidArgumentError, PoolExhausted
 from kvstack.reference.block_pool import BlockPool
 from kvstack.reference.repack import execute_repack, plan_repack
 from kvstack.reference.token_table import TokenTable
@@ -70,7 +70,10 @@ def test_batch_follows_the_reference_tables_through_random_operations(data):
 
     for _ in range(data.draw(st.integers(1, 8), label="steps")):
         op = data.draw(
-            st.sampled_from(["append", "append", "evict", "evict_one_each", "repack"]), label="op"
+            st.sampled_from(
+                ["append", "append", "evict", "evict_one_each", "repack", "repack_table"]
+            ),
+            label="op",
         )
         if op == "append":
             n = data.draw(st.integers(0, 5), label="n")
@@ -118,7 +121,17 @@ def test_batch_follows_the_reference_tables_through_random_operations(data):
                 with pytest.raises(error):
                     batch.evict_one_each(torch.tensor(chosen), release=release)
                 event(f"evict_one_each refused: {error.__name__}")
-        else:
+        elif op == "repack":  # the batch's own repack against the reference plan and execution
+            index = data.draw(st.integers(0, num_tables - 1), label="table")
+            threshold = data.draw(st.sampled_from([0.0, 0.25, 0.9]), label="threshold")
+            force = data.draw(st.booleans(), label="force")
+            plan = plan_repack(tables[index], threshold=threshold, force=force)
+            if plan is not None:
+                execute_repack(tables[index], table_pool, plan)
+            repacked = batch.repack(index, batch_pool, threshold=threshold, force=force)
+            assert repacked == (plan is not None)
+            event(f"repack: {'done' if repacked else 'declined'}")
+        else:  # through a reference table and back (table / set_table)
             index = data.draw(st.integers(0, num_tables - 1), label="table")
             plan = plan_repack(tables[index], force=True)
             if plan is not None:
@@ -157,6 +170,18 @@ def test_bad_input_names_the_argument_and_changes_nothing():
     after_evict[0, 1] = False
     assert torch.equal(batch.alive, after_evict)
     assert list(pool.free_blocks) == before[2]
+
+    # Table 0 holds 2 live tokens in 2 blocks of 2: a forced repack could free one.
+    slots, free_slots = batch.slots.clone(), [list(free) for free in batch.free_slots]
+    with pytest.raises(InvalidArgumentError, match="index"):
+        batch.repack(2, pool, force=True)
+    with pytest.raises(InvalidArgumentError, match="threshold"):
+        batch.repack(0, pool, threshold=1.0, force=True)
+    with pytest.raises(DoubleFreeError, match="the table's blocks"):
+        batch.repack(0, BlockPool(4, 2, HEADS, DIM), force=True)  # its blocks are not this pool's
+    assert torch.equal(batch.slots, slots) and batch.free_slots == free_slots
+    assert torch.equal(batch.alive, after_evict) and list(pool.free_blocks) == before[2]
+    assert batch.repack(0, pool, force=True) and len(pool.free_blocks) == len(before[2]) + 1
 
 
 # first_release=False then release=True is the case hypothesis found: a Naive-Evict leaves the

@@ -33,7 +33,7 @@ from kvstack.hf.paged import STATS_UNITS as PAGED_STATS_UNITS
 from kvstack.hf.paged import PagedCache, PagedLayer, stats_doc
 from kvstack.policies import EvictionPolicy
 from kvstack.reference.checks import check_positive_int
-from kvstack.reference.repack import DEFAULT_WASTE_THRESHOLD, execute_repack, plan_repack
+from kvstack.reference.repack import DEFAULT_WASTE_THRESHOLD
 
 STATS_UNITS: dict[str, str] = {
     **PAGED_STATS_UNITS,
@@ -213,28 +213,21 @@ class TokenTableLayer(PagedLayer):
             self.repack_seconds += time.perf_counter() - start
 
     def _repack_if_worth_it(self, index: int) -> None:
-        batch = self.batch
-        blocks = len(batch.blocks[index])
-        needed = math.ceil(batch.num_live[index] / self.block_size)
         # The arena reservation (``blocks_to_reserve``) counts, per table, the blocks of its
         # budget plus the one token a decode step appends before it evicts. Appends fill freed
         # slots before they take a block, so a decode (one token in, one out) never needs more;
         # only a multi-token eviction (a prefill chunk's) can leave a table holding more blocks
         # than that: such a table is repacked whatever its waste, so the reservation holds.
+        blocks = len(self.batch.blocks[index])
         over_reservation = blocks > self.cache.steady_blocks_per_table(self.budgets[index])
-        # plan_repack's own conditions, checked first so that most tables cost no copy.
-        if blocks <= needed or (
-            not over_reservation and batch.waste(index) <= self.cache.repack_threshold
+        if self.batch.repack(
+            index,
+            self.pool,
+            threshold=self.cache.repack_threshold,
+            force=over_reservation,
+            copy=ops.get("copy_slots", device=self.pool.key.device),
         ):
-            return
-        table = batch.table(index)
-        plan = plan_repack(table, threshold=self.cache.repack_threshold, force=over_reservation)
-        if plan is None:
-            return
-        copy = ops.get("copy_slots", device=self.pool.key.device)
-        execute_repack(table, self.pool, plan, copy=copy)
-        batch.set_table(index, table)
-        self.repacks += 1
+            self.repacks += 1
 
     def _select_rows(self, rows: list[int]) -> None:
         if self.budgets:  # per-table state follows its table (beam search, repeats)

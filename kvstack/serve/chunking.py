@@ -15,19 +15,34 @@ cut to that many tokens (lossless prefill is cut at any token; an evicting cache
 whole, because where a chunk ends decides what it keeps).
 
 The prefill budget never goes below ``min_prefill`` (prefill must progress) and the step never
-above the engine's ``max_batch_tokens``; until the steps seen vary enough to fit the three parts
-(``line`` is None) the whole ``max_batch_tokens`` is allowed.
+above the engine's ``max_batch_tokens``; until the steps seen first vary enough to fit the three
+parts (``costs`` is None) the whole ``max_batch_tokens`` is allowed. Afterwards a run of steps
+that cannot separate them (decode-only steps, say, while prefill is held back) keeps the last fit.
+
+A TPOT target (``Engine(tpot_target=...)``) bounds what serving SLAs bound: each request's time
+per output token, the mean over its life (``RequestStats.tpot_s``). A step target must be met by
+every step, which a compute-bound prefill chunk alone can break; a request's mean instead
+banks what its fast decode steps leave under the target (``tpot_slack``) and spends it on the
+steps that carry someone's prefill. So a prefill piece joins a step only when the step, at its
+fitted cost, keeps every request decoding in it within the target at its next token; else the
+prefill waits, and the decodes run alone. Decodes are not held back for it, and each ends, so no
+prefill waits forever. (Sarathi-Serve instead sizes every step's token budget to the SLO.) The
+slack counts the forward pass's fitted time; the step's sampling and bookkeeping come on top,
+and the slack each request banks afterwards is measured on the clock, so they are paid back.
+A preempted request's recompute waits like any prefill, while its own time per token runs on.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterable
 
 import torch
 
 from kvstack.errors import InvalidArgumentError
 from kvstack.reference.checks import check_positive_int
+from kvstack.serve.request import RequestStats
 
 # Steps the costs are fitted to: recent enough to follow the machine's load, enough to average
 # out the noise of one step.
@@ -41,6 +56,7 @@ class StepTimeModel:
     def __init__(self, history: int = HISTORY) -> None:
         self.history = check_positive_int("history", history)
         self._steps: deque[tuple[int, int, float]] = deque(maxlen=history)
+        self._last_fit: tuple[float, float, float] | None = None
 
     def __repr__(self) -> str:
         costs = self.costs()
@@ -64,19 +80,21 @@ class StepTimeModel:
         self._steps.append((decodes, prefill_tokens, seconds))
 
     def costs(self) -> tuple[float, float, float] | None:
-        """(fixed seconds, seconds per decode row, seconds per prefill token), or None while the
-        steps seen cannot separate them (fewer than three, or the design matrix below full
-        rank). The per-token costs are kept positive and the fixed part non-negative."""
+        """(fixed seconds, seconds per decode row, seconds per prefill token) fitted to the last
+        ``history`` steps. When those cannot separate them (fewer than three, or the design
+        matrix below full rank: a run of decode-only steps), the last fit that could; None
+        before any. The per-token costs are kept positive and the fixed part non-negative."""
         if len(self._steps) < 3:
-            return None
+            return self._last_fit
         rows = torch.tensor(
             [[1.0, float(d), float(p)] for d, p, _ in self._steps], dtype=torch.float64
         )  # [steps, 3]: intercept, decode rows, prefill tokens
         seconds = torch.tensor([s for _, _, s in self._steps], dtype=torch.float64)[:, None]
         if int(torch.linalg.matrix_rank(rows)) < 3:
-            return None
+            return self._last_fit
         fixed, per_decode, per_prefill = torch.linalg.lstsq(rows, seconds).solution[:, 0].tolist()
-        return max(0.0, fixed), max(per_decode, 1e-9), max(per_prefill, 1e-9)
+        self._last_fit = (max(0.0, fixed), max(per_decode, 1e-9), max(per_prefill, 1e-9))
+        return self._last_fit
 
     def prefill_budget(
         self, target_seconds: float, decodes: int, min_prefill: int, max_tokens: int
@@ -92,14 +110,27 @@ class StepTimeModel:
         return min(room, max(min_prefill, tokens))
 
 
-def check_step_time_target(value: float | None) -> float | None:
+def tpot_slack(target: float, decoding: Iterable[RequestStats], now: float) -> float | None:
+    """The most seconds the next step may take so that no request of ``decoding`` (the stats of
+    the requests that decode in it) has spent more than ``target`` seconds per output token after
+    its first (``RequestStats.tpot_s``) once the step gives it its next token: the least over
+    them of ``target * tokens - (now - first_token_at)``. Negative when one is already over;
+    None when none decodes (or none has a first token yet)."""
+    slack = [
+        target * stats.tokens - (now - stats.first_token_at)
+        for stats in decoding
+        if stats.first_token_at is not None and stats.tokens >= 1
+    ]
+    return min(slack, default=None)
+
+
+def check_seconds(name: str, value: float | None) -> float | None:
+    """``value`` as seconds in (0, 1e9), or None; else an error naming ``name``."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1e9:
-        raise InvalidArgumentError(
-            f"step_time_target must be seconds in (0, 1e9) or None, got {value!r}"
-        )
+        raise InvalidArgumentError(f"{name} must be seconds in (0, 1e9) or None, got {value!r}")
     return float(value)
 
 
-__all__ = ["HISTORY", "StepTimeModel", "check_step_time_target"]
+__all__ = ["HISTORY", "StepTimeModel", "check_seconds", "tpot_slack"]

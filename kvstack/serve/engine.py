@@ -31,7 +31,9 @@ A step, in order:
    ``BatchRule`` orders the offers and the step takes them within ``max_batch_tokens``. With
    a ``step_time_target`` (adaptive chunking, ``kvstack.serve.chunking``) the step takes
    every decode token first, then prefill and recompute work in the rule's order, within the
-   prefill tokens the engine's fitted step costs say the target allows.
+   prefill tokens the engine's fitted step costs say the target allows. With a
+   ``tpot_target`` prefill work joins a step only when, at the step's fitted cost, every
+   request decoding in it stays within that time per output token; else it waits.
 3. **Pages**: the step's work must fit the free pages; while it does not, the newest running
    request is preempted: its pages are returned and it waits, first in line, to recompute.
    A lossless request recomputes its prompt and outputs as a prefill; an evicting one prefills
@@ -81,7 +83,7 @@ from kvstack.hf.state_layers import is_state_layer
 from kvstack.reference.checks import check_positive_int
 from kvstack.serve.attention import SEGMENTS_KWARG, StepContext, StepRequest, serve_attention
 from kvstack.serve.cache_spec import CacheGeometry, CacheSpec, cache_config
-from kvstack.serve.chunking import StepTimeModel, check_step_time_target
+from kvstack.serve.chunking import StepTimeModel, check_seconds, tpot_slack
 from kvstack.serve.layouts import Need, hybrid_geometry, make_layout
 from kvstack.serve.request import (
     Request,
@@ -151,6 +153,7 @@ class Engine:
         layout: str = "kvstack",
         swap_bytes: int | str | None = None,
         step_time_target: float | None = None,
+        tpot_target: float | None = None,
     ) -> None:
         spec = CacheSpec() if cache is None else cache
         if not isinstance(spec, CacheSpec):
@@ -189,8 +192,10 @@ class Engine:
         self.spec = spec
         self.max_batch_tokens = max_batch_tokens
         self.prefill_chunk = prefill_chunk
-        # Adaptive chunking: each step's token budget from the steps run so far.
-        self.step_time_target = check_step_time_target(step_time_target)
+        # Adaptive chunking: each step's token budget from the steps run so far; a TPOT target
+        # holds prefill back while the requests decoding have no time per token to spare.
+        self.step_time_target = check_seconds("step_time_target", step_time_target)
+        self.tpot_target = check_seconds("tpot_target", tpot_target)
         self.step_times = StepTimeModel()
         self.rule: BatchRule = PageAwareRule() if rule is None else rule
         self._config = cache_config(model.config)
@@ -712,7 +717,7 @@ class Engine:
             offers = [self._offer(request) for request in self._running]
             ordered = self.rule.order(offers, self._step)
             budget = self.max_batch_tokens
-            if self.step_time_target is not None:
+            if self.step_time_target is not None or self.tpot_target is not None:
                 ordered, budget = self._adaptive_order(ordered)
             batch = fill_batch(ordered, budget)
             if self._batch_fits(batch):
@@ -731,23 +736,46 @@ class Engine:
             self._preempt(self._victim(victims))
 
     def _adaptive_order(self, ordered: list[Work]) -> tuple[list[Work], int]:
-        """Adaptive chunking's step: every decode token first (stall-free batching), then the
+        """A step under a time target: every decode token first (stall-free batching), then the
         rest in the rule's order, within the decodes plus the prefill tokens the fitted step
-        costs allow for the target. The first prefill piece always fits: at least its smallest
-        cut (a block of a lossless prefill, a whole evicting chunk or hybrid prompt). Where the
-        decodes leave no room for it under ``max_batch_tokens``, the step is the rule's order
-        as without a target, so no prefill waits for every decode to finish."""
+        costs allow. The first prefill piece's smallest cut is a block of a lossless prefill, or
+        a whole evicting chunk or hybrid prompt.
+
+        * ``step_time_target``: the step's time. The first prefill piece always fits, at least
+          its smallest cut. Where the decodes leave no room for it under ``max_batch_tokens``,
+          the step is the rule's order as without a target, so no prefill waits for every
+          decode to finish.
+        * ``tpot_target``: the time per output token of every request decoding in the step, at
+          its next token and at the step's fitted cost (``chunking.tpot_slack``). Prefill and
+          recompute work wait while the step's decodes cannot spare the time of the first
+          piece's smallest cut (before the costs are first fitted: while they have none to
+          spare), or while the decodes leave no room for it under ``max_batch_tokens``; with no
+          decodes it is not limited.
+
+        With both, a step with decodes keeps both and one without keeps the step's time."""
         decodes = [work for work in ordered if work.kind == "decode"]
         rest = [work for work in ordered if work.kind != "decode"]
         if not rest:
             return decodes, self.max_batch_tokens
         first = rest[0]
         floor = min(first.tokens, self.spec.block_size) if first.flexible else first.tokens
-        if len(decodes) + floor > self.max_batch_tokens:
+        seconds, must_progress = self.step_time_target, True
+        if self.tpot_target is not None:
+            slack = tpot_slack(
+                self.tpot_target, [work.request.stats for work in decodes], time.perf_counter()
+            )
+            if slack is not None:
+                seconds = slack if seconds is None else min(seconds, slack)
+                must_progress = False
+        if seconds is None:  # a TPOT target alone, and nothing decodes
+            return ordered, self.max_batch_tokens
+        if must_progress and len(decodes) + floor > self.max_batch_tokens:
             return ordered, self.max_batch_tokens
         prefill = self.step_times.prefill_budget(
-            self.step_time_target, len(decodes), floor, self.max_batch_tokens
+            seconds, len(decodes), floor if must_progress else 0, self.max_batch_tokens
         )
+        if prefill < floor or (not must_progress and seconds <= 0.0):
+            return decodes, self.max_batch_tokens  # the decodes cannot spare it: prefill waits
         return decodes + rest, len(decodes) + prefill
 
     def _victim(self, candidates: list[Request]) -> Request:

@@ -2,8 +2,9 @@
 
 ``serve_attention``'s general path hands each request's decode token to its own cache
 (``update``), attends all of them in one call, then lets each request's layer observe the
-weights and evict one token per table: some twenty small tensor ops and as many Python calls
-per request and layer. For SmolLM2 on a CPU that costs as much as the model itself, and it is
+weights and evict one token per table. Per request and layer that is the append, the view, the
+observation, the victim's choice and its eviction, each a few small tensor ops and Python calls.
+For SmolLM2 on a CPU that costs as much as the model itself, and it is
 why an evicting engine's time per output token was far above a lossless one's at the same
 batch (whose requests share one ``StepContext``).
 
@@ -36,7 +37,6 @@ path's.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -72,36 +72,7 @@ def steady_layer(cache: Any, layer_idx: int) -> TokenTableLayer | None:
     layer = cache.layers[layer_idx]
     if type(layer) is not TokenTableLayer or not layer.is_initialized:
         return None
-    if not _scores_stand_for_the_policy(type(layer.policy)):
-        return None
     return layer if layer.batched_decode_budget() is not None else None
-
-
-# What a decode step of the general path asks the policy; ``batched_decode_scores`` stands for
-# all of them.
-_GENERAL_METHODS = (
-    "observe",
-    "observe_columns",
-    "observed_queries",
-    "skip_queries",
-    "scores",
-    "protected",
-    "recent_window",
-    "choose_one_victim_each",
-)
-
-
-@functools.cache
-def _scores_stand_for_the_policy(policy_type: type) -> bool:
-    """Whether ``policy_type``'s ``batched_decode_scores`` gives what its general methods give:
-    each of them is defined by the class that defines ``batched_decode_scores`` or by a base of
-    it. A subclass of H2O that overrides ``scores``, say, keeps the batched scores it inherits
-    but not their meaning: it takes the general path."""
-    mro = policy_type.__mro__
-    owner = next(cls for cls in mro if "batched_decode_scores" in vars(cls))
-    return all(
-        next(cls for cls in mro if name in vars(cls)) in owner.__mro__ for name in _GENERAL_METHODS
-    )
 
 
 def geometry(layer: TokenTableLayer) -> tuple:
