@@ -23,6 +23,15 @@ from spec_tests.tiny import tiny_serving_llama
 pytestmark = pytest.mark.usefixtures("reference_attention")
 
 
+# Hypothesis runs of whole engine traces: slow examples, and the module's model shared by all.
+ENGINE_RUNS = dict(
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+# (prompt tokens, new tokens) of 2 to 4 requests.
+TRACE_LENGTHS = st.lists(st.tuples(st.integers(1, 60), st.integers(4, 30)), min_size=2, max_size=4)
+
+
 @pytest.fixture(scope="module")
 def model():
     return tiny_serving_llama(max_position_embeddings=1024)  # test_serve_engine's model
@@ -94,6 +103,18 @@ def test_a_bad_observation_is_refused_and_not_kept(decodes, prefill, seconds):
     assert times.costs() is None and "0 steps" in repr(times)
 
 
+def _small_engine(model, spec_name: str, **targets) -> Engine:
+    """An engine of 96 blocks and 48-token steps, with the given time targets."""
+    return Engine(
+        model,
+        KVArena(96 * BLOCK_BYTES),
+        cache=SPECS[spec_name],
+        max_batch_tokens=48,
+        prefill_chunk=PREFILL_CHUNK,
+        **targets,
+    )
+
+
 class _FixedBudget:
     """Step costs that always allow ``tokens`` prefill tokens (the engine's clamps kept)."""
 
@@ -107,27 +128,16 @@ class _FixedBudget:
         return min(max(0, max_tokens - decodes), max(min_prefill, self.tokens))
 
 
-@settings(
-    max_examples=8,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@settings(max_examples=8, **ENGINE_RUNS)
 @given(
     spec_name=st.sampled_from(["paged", "h2o"]),
-    lengths=st.lists(st.tuples(st.integers(1, 60), st.integers(4, 30)), min_size=2, max_size=4),
+    lengths=TRACE_LENGTHS,
     allowed=st.integers(1, 48),
 )
 def test_each_step_takes_its_decodes_first_within_the_budget_and_tokens_do_not_change(
     model, spec_name, lengths, allowed
 ):
-    serving = Engine(
-        model,
-        KVArena(96 * BLOCK_BYTES),
-        cache=SPECS[spec_name],
-        max_batch_tokens=48,
-        prefill_chunk=PREFILL_CHUNK,
-        step_time_target=0.05,
-    )
+    serving = _small_engine(model, spec_name, step_time_target=0.05)
     serving.step_times = _FixedBudget(allowed)
     requests = [(prompt(p, seed=70 + i), n) for i, (p, n) in enumerate(lengths)]
     handles = [serving.submit(ids, n) for ids, n in requests]
@@ -224,18 +234,11 @@ class _FixedCosts(StepTimeModel):
 
 def _recorded_tpot_run(model, spec_name, requests, costs, target, monkeypatch, step_target=None):
     """Run ``requests`` on an engine with ``tpot_target=target`` (and ``step_time_target``) and
-    fixed step ``costs`` (None: the engine's own); returns the engine, the handles and, per chosen batch, (decodes,
-    prefill tokens, the slack the engine computed for it or None). Checks that the slack came
-    from the stats of exactly the batch's decoding requests, at the time the batch was chosen."""
-    serving = Engine(
-        model,
-        KVArena(96 * BLOCK_BYTES),
-        cache=SPECS[spec_name],
-        max_batch_tokens=48,
-        prefill_chunk=PREFILL_CHUNK,
-        tpot_target=target,
-        step_time_target=step_target,
-    )
+    fixed step ``costs`` (None: the engine's own); returns the engine, the handles and, per
+    chosen batch, (decodes, prefill tokens, the slack the engine computed for it or None).
+    Checks that the slack came from the stats of exactly the batch's decoding requests, at the
+    time the batch was chosen."""
+    serving = _small_engine(model, spec_name, tpot_target=target, step_time_target=step_target)
     if costs is not None:  # else the engine's own fitted model, unfitted at first
         serving.step_times = _FixedCosts(*costs)
     slacks = []
@@ -271,14 +274,10 @@ def _recorded_tpot_run(model, spec_name, requests, costs, target, monkeypatch, s
     return serving, handles, batches
 
 
-@settings(
-    max_examples=6,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@settings(max_examples=6, **ENGINE_RUNS)
 @given(
     spec_name=st.sampled_from(["paged", "h2o"]),
-    lengths=st.lists(st.tuples(st.integers(1, 60), st.integers(4, 30)), min_size=2, max_size=4),
+    lengths=TRACE_LENGTHS,
     per_prefill=st.sampled_from([1e-9, 0.004, 0.01, 10.0]),
 )
 def test_prefill_joins_a_step_only_within_the_decodes_tpot_slack_and_tokens_do_not_change(
