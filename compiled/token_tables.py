@@ -19,9 +19,9 @@ reference tables appended in order would; eviction and release are the reference
 position is its logical index (what ``TokenTable.append`` gives without explicit positions).
 ``repack(i)`` is the reference's repack plan and execution for table i in tensor ops (an
 evicting prefill repacks, after each chunk, every table that can free a block, and the
-reference's Python loops over tokens made that a large share of a chunk's step). ``table(i)`` materialises table i as
-a reference ``TokenTable`` and ``set_table`` writes one back, so the rare operations (beam
-forks) run the reference code itself.
+reference's Python loops over tokens made that a large share of a chunk's step).
+``table(i)`` materialises table i as a reference ``TokenTable`` and ``set_table`` writes one
+back, so the rare operations (beam forks) run the reference code itself.
 ``spec_tests/test_token_table_batch.py`` drives both with random operation sequences.
 
 Why not torch.compile: these are tiny index ops on a few thousand entries; a compiled graph's

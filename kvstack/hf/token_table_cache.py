@@ -59,6 +59,7 @@ class TokenTableLayer(PagedLayer):
         self.prefilled = False
         self.repacks = 0
         self.repack_seconds = 0.0
+        self._copy = None  # copy_slots for repacks, looked up on first use
 
     # ------------------------------------------------------------------ chunked prefill
     def store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -225,9 +226,16 @@ class TokenTableLayer(PagedLayer):
             self.pool,
             threshold=self.cache.repack_threshold,
             force=over_reservation,
-            copy=ops.get("copy_slots", device=self.pool.key.device),
+            copy=self._copy_slots(),
         ):
             self.repacks += 1
+
+    def _copy_slots(self):
+        """The fastest ``copy_slots`` for the pool's device, looked up once (most calls of
+        ``_repack_if_worth_it`` decline and copy nothing)."""
+        if self._copy is None:
+            self._copy = ops.get("copy_slots", device=self.pool.key.device)
+        return self._copy
 
     def _select_rows(self, rows: list[int]) -> None:
         if self.budgets:  # per-table state follows its table (beam search, repeats)
