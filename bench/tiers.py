@@ -16,8 +16,10 @@ Pages are ``BLOCK_SIZE`` tokens (64: 96 KiB of K and V per layer page for SmolLM
 one file on disk and one fetch, so its size sets how much per-page work (a file open, a
 checksum, a queue hand-off) each byte carries. The quarter on device includes each layer's
 partly filled block (the *tail*, kept on device outside the store): the device tier's budget is
-a quarter of the KV minus a page per layer, and ``tiers.device_kv_fraction.device25`` reports
-what the device held at the end (tier bytes plus tails ÷ the KV).
+a quarter of the KV minus the most the tails hold during the run (``max_tail_tokens``: 32 tokens
+per layer for 64-token pages, as decode takes the 1024-token prompt to 1056), and
+``tiers.device_kv_fraction.device25`` reports what the device held at the end (tier bytes plus
+tails ÷ the KV).
 
 * ``tiers.decode_speed_ratio.device25``: decode tokens/s with a quarter of the KV on device
   (cost-aware demotion) ÷ the same ``TieredCache`` with every page on device (no transfers).
@@ -133,12 +135,20 @@ def kv_bytes_of(model: Any, tokens: int) -> int:
     return config.num_hidden_layers * 2 * tokens * config.num_key_value_heads * head_dim * itemsize
 
 
-def device_tier_budget(model: Any, kv_bytes: int, share: float, block_size: int) -> int:
+def max_tail_tokens(first: int, last: int, block_size: int) -> int:
+    """The most tokens a layer's partly filled block (its tail, kept on device outside the
+    store) holds while the sequence grows from ``first`` to ``last`` tokens."""
+    return max(tokens % block_size for tokens in range(first, last + 1))
+
+
+def device_tier_budget(
+    model: Any, kv_bytes: int, share: float, block_size: int, max_tail: int
+) -> int:
     """The device tier's budget that keeps the device's KV within ``share`` of ``kv_bytes``:
-    the share minus one page per layer, the most a layer's tail can hold."""
-    tail_reserve = kv_bytes_of(model, block_size)  # a page's K and V in every layer
+    the share minus the most every layer's tail holds during the run (``max_tail`` tokens)."""
+    tail_reserve = kv_bytes_of(model, max_tail)  # the tails' K and V in every layer
     budget = int(share * kv_bytes) - tail_reserve
-    page = tail_reserve // model.config.num_hidden_layers
+    page = kv_bytes_of(model, block_size) // model.config.num_hidden_layers
     if budget < page:
         raise AssertionError(
             f"a {share} share of {kv_bytes} KV bytes leaves {budget} bytes for the device tier "
@@ -188,7 +198,13 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
             )
         return TieredCache(
             model.config,
-            device_budget=device_tier_budget(model, kv_bytes, share, pages),
+            device_budget=device_tier_budget(
+                model,
+                kv_bytes,
+                share,
+                pages,
+                max_tail_tokens(prompt_tokens, prompt_tokens + decode_tokens, pages),
+            ),
             host_budget=int(HOST_SHARE * kv_bytes),
             disk_path=Path(scratch.name) / f"run{runs}",
             disk_budget=2 * kv_bytes,
@@ -481,7 +497,13 @@ def _recompute_overflow(
                 old["cache"].close()
             cache = TieredCache(
                 model.config,
-                device_budget=device_tier_budget(model, kv_bytes, DEVICE_SHARE, block_size),
+                device_budget=device_tier_budget(
+                    model,
+                    kv_bytes,
+                    DEVICE_SHARE,
+                    block_size,
+                    max_tail_tokens(ids.shape[1], ids.shape[1] + steps, block_size),
+                ),
                 host_budget=int(HOST_SHARE * kv_bytes),
                 policy=policy,
                 block_size=block_size,
@@ -544,7 +566,15 @@ def _resume(
     from kvstack.tiers import TieredCache
 
     budgets = dict(
-        device_budget=device_tier_budget(model, kv_bytes, DEVICE_SHARE, block_size),
+        device_budget=device_tier_budget(
+            model,
+            kv_bytes,
+            DEVICE_SHARE,
+            block_size,
+            max_tail_tokens(
+                ids.shape[1], ids.shape[1] + decode_tokens + next_turn_tokens, block_size
+            ),
+        ),
         host_budget=int(HOST_SHARE * kv_bytes),
         disk_budget=4 * kv_bytes,
         policy="cost",

@@ -182,6 +182,16 @@ def test_recompute_first_refuses_bad_counts_and_caches_it_cannot_edit():
     assert cache.get_seq_length() == 0
 
 
+def test_build_cache_refuses_a_question_without_tokens_and_leaves_the_cache_empty():
+    mem = memory()
+    mem.add(FACTS[0])
+    cache = DynamicCache(config=tiny_model().config)
+    for bad in ("", None):
+        with pytest.raises(InvalidArgumentError, match="question=.*expected text with tokens"):
+            mem.build_cache("Notes:\n", ["f0"], bad, cache=cache)
+    assert cache.get_seq_length() == 0
+
+
 def test_a_fact_keeps_only_its_own_kv_and_w_bounds_the_context_it_was_encoded_after():
     mem = memory(context_turns=2)
     fact_id = mem.add(FACTS[3], context=FACTS[:3])

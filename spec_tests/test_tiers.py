@@ -518,6 +518,40 @@ def test_take_all_returns_every_page_in_order_from_whichever_tier_holds_it(tmp_p
     prefetcher.close()
 
 
+def test_take_all_counts_reads_as_take_page_by_page_with_the_fetched_pages_first(tmp_path):
+    """``take_all`` counts a layer's reads under one lock: the same hits per tier, and the
+    same recency order the rules see, as taking the fetched pages one by one and then the
+    resident ones."""
+    from kvstack.tiers import Prefetcher
+
+    size = page_nbytes(kv_page(0))
+
+    def filled(directory):
+        store = TieredStore(
+            device_bytes=2 * size, host_bytes=size, disk_path=directory, disk_bytes=1 << 20
+        )
+        for i in range(5):
+            store.put(f"p{i}", kv_page(i))  # p3, p4 on device, p2 on host, p0, p1 on disk
+        return store
+
+    keys = ["p4", "p0", "p1", "p3", "p2"]
+    batched, single = filled(tmp_path / "a"), filled(tmp_path / "b")
+    prefetchers = [Prefetcher(batched, "cpu"), Prefetcher(single, "cpu")]
+    for prefetcher in prefetchers:
+        prefetcher.prefetch(keys)
+    prefetchers[0].take_all(keys)
+    resident = [k for k in keys if single.tiers_of(k)[0] == "device"]
+    for key in [k for k in keys if k not in resident] + resident:
+        prefetchers[1].take(key)
+    for store in (batched, single):
+        store.check()
+    assert batched.stats()["hits"] == single.stats()["hits"]
+    assert [batched.pages[k].last_used for k in keys] == [single.pages[k].last_used for k in keys]
+    assert [batched.pages[k].uses for k in keys] == [1] * 5
+    for prefetcher in prefetchers:
+        prefetcher.close()
+
+
 def test_a_corrupt_page_in_a_prefetched_batch_fails_only_its_own_take(tmp_path):
     """A layer's pages are fetched as one batch: a damaged file fails its page's take with
     ``PageCorrupted`` and the pages after it in the batch still arrive whole."""

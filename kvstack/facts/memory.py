@@ -416,6 +416,13 @@ class FactMemory:
                 f"recompute_first needs a DynamicCache (its K/V are replaced in place); got "
                 f"{type(cache).__name__}"
             )
+        if (
+            not isinstance(question, str)
+            or not self.tokenizer(question, add_special_tokens=False).input_ids
+        ):
+            # generate() must compute at least the question's last token: with none, the
+            # prompt would end inside the injected facts and nothing would give the first token.
+            raise InvalidArgumentError(f"question={question!r}; expected text with tokens")
         cache = DynamicCache(config=self.model.config) if cache is None else cache
         ids = self.prompt_ids(header, fact_ids, question)
         device = next(self.model.parameters()).device

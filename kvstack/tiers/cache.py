@@ -566,9 +566,9 @@ class TieredCache(Cache):
             if not self.store.may_drop:
                 raise
             taken = self._take_dropping_damaged(present, dropped)
-        for key, (page, tier) in taken.items():
-            if tier != "device":
-                self.store.promote(key, page)
+        self.store.promote_all(
+            [(key, page) for key, (page, tier) in taken.items() if tier != "device"]
+        )
         if dropped - self._recomputed.keys():
             self._recompute(layer)
         return [

@@ -76,6 +76,12 @@ class Prefetcher:
     def take(self, key: str) -> tuple[Page, str]:
         """The page on the device, once its copy is complete, and the tier it came from; counts
         the read in the store."""
+        page, tier = self._wait(key)
+        self.store.touch(key, tier)
+        return page, tier
+
+    def _wait(self, key: str) -> tuple[Page, str]:
+        """``take`` without counting the read in the store."""
         future = self._pending.pop(key, None)
         start = time.perf_counter()
         if future is None:  # not prefetched: the caller fetches it and waits for all of it
@@ -91,7 +97,6 @@ class Prefetcher:
             for tensor in page.values():  # made on the side stream, freed after the compute
                 tensor.record_stream(compute)  # stream's use: the allocator must wait for it
         self.stall_seconds += time.perf_counter() - start
-        self.store.touch(key, tier)
         if tier != "device":
             self.bytes_fetched[tier] += page_nbytes(page)
         return page, tier
@@ -99,10 +104,12 @@ class Prefetcher:
     def take_all(self, keys: list[str]) -> list[tuple[Page, str]]:
         """``take`` of every key, in order. Pages the device tier holds and nobody prefetched
         are read under one acquisition of the store's lock (a layer reads dozens of them each
-        step; no transfer, so no transfer time)."""
+        step; no transfer, so no transfer time); the reads are counted under one more, the
+        fetched pages' first, then the resident ones (the order ``take`` page by page gave)."""
         resident = self.store.device_pages([k for k in keys if k not in self._pending])
-        taken = [(resident[k], "device") if k in resident else self.take(k) for k in keys]
-        self.store.touch_all(list(resident), "device")
+        taken = [(resident[k], "device") if k in resident else self._wait(k) for k in keys]
+        fetched = [(k, tier) for k, (_, tier) in zip(keys, taken, strict=True) if k not in resident]
+        self.store.touch_reads(fetched + [(k, "device") for k in resident])
         return taken
 
     def _fetch(self, key: str) -> tuple[Page, str, torch.cuda.Event | None, float]:

@@ -199,6 +199,14 @@ class TieredStore:
             self.touch(key, tier)
 
     @_locked
+    def touch_reads(self, reads: list[tuple[str, str]]) -> None:
+        """``touch`` of every (key, tier) read, in order, under one lock (a layer's fetched
+        pages: one acquisition per layer, not one per page, on the thread that runs the
+        model)."""
+        for key, tier in reads:
+            self.touch(key, tier)
+
+    @_locked
     def tick(self) -> int:
         """Advance the clock without a read: an event the rules should see as later than every
         read and write before it (``TurnStore`` ticks once per turn it saves, so pages saved
@@ -287,6 +295,12 @@ class TieredStore:
                 self._erase(old, key)
             return tier
         return None
+
+    @_locked
+    def promote_all(self, pages: list[tuple[str, Page]]) -> None:
+        """``promote`` of every (key, page), in order, under one lock."""
+        for key, page in pages:
+            self.promote(key, page)
 
     @_locked
     def drop_copy(self, key: str, tier: str) -> None:
