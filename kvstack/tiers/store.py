@@ -193,12 +193,6 @@ class TieredStore:
         return {key: device[key] for key in keys if key in device}
 
     @_locked
-    def touch_all(self, keys: list[str], tier: str) -> None:
-        """``touch`` of every key, in order, under one lock."""
-        for key in keys:
-            self.touch(key, tier)
-
-    @_locked
     def touch_reads(self, reads: list[tuple[str, str]]) -> None:
         """``touch`` of every (key, tier) read, in order, under one lock (a layer's fetched
         pages: one acquisition per layer, not one per page, on the thread that runs the
