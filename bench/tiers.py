@@ -9,7 +9,7 @@ benchmark prompt of ``PROMPT_TOKENS`` tokens, then ``DECODE_TOKENS`` greedy deco
 sequence holds at the end is ``kv_bytes``; the tiered runs give the device tier a quarter of it,
 the host tier a quarter, and put the rest on disk (a temporary directory: on this machine the
 page files are served from the OS page cache, so a disk read is a file read plus the page's
-SHA-256 check, not a device access). Prefill is untimed; each configuration's decode steps are
+CRC-32 check, not a device access). Prefill is untimed; each configuration's decode steps are
 timed in rounds, interleaved with the others (``time_interleaved``), medians over rounds.
 
 Pages are ``BLOCK_SIZE`` tokens (64: 96 KiB of K and V per layer page for SmolLM2); a page is

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -98,6 +101,35 @@ def test_a_damaged_page_file_raises_page_corrupted_naming_the_file(tmp_path, dam
     path.write_bytes(bytes(data))
     with pytest.raises(PageCorrupted, match=str(path)):
         tier.read("a")
+
+
+# A page written by the previous format (KVSPAGE2: SHA-256), by kvstack before CRC-32 pages:
+# k = arange(8) and v = -arange(8), float32 [2, 1, 4], under the key "L0.b0".
+PAGE_V2 = Path(__file__).parent / "data" / "page_v2_sha256.page"
+
+
+def test_a_page_file_is_magic_crc32_and_the_rest_as_the_module_says(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 20)
+    tier.write("a", kv_page(1))
+    data = tier.file_of("a").read_bytes()
+    head = len(disk_module.MAGIC) + disk_module.DIGEST_BYTES
+    assert data[: len(disk_module.MAGIC)] == b"KVSPAGE3"
+    assert int.from_bytes(data[len(disk_module.MAGIC) : head], "little") == zlib.crc32(data[head:])
+
+
+def test_a_page_file_of_the_previous_sha256_format_still_reads(tmp_path):
+    shutil.copy(PAGE_V2, tmp_path / "L0.b0.page")
+    page = DiskTier(tmp_path, 1 << 20).read("L0.b0")
+    expected = torch.arange(8, dtype=torch.float32).reshape(2, 1, 4)
+    assert same_page(page, {"k": expected, "v": -expected})
+
+
+def test_a_damaged_page_file_of_the_previous_format_raises_page_corrupted(tmp_path):
+    data = bytearray(PAGE_V2.read_bytes())
+    data[-33] ^= 0x04  # a bit of v's last value (the file ends with 32 bytes of padding)
+    (tmp_path / "L0.b0.page").write_bytes(bytes(data))
+    with pytest.raises(PageCorrupted, match="checksum mismatch"):
+        DiskTier(tmp_path, 1 << 20).read("L0.b0")
 
 
 def test_a_page_file_deleted_behind_the_tier_raises_page_corrupted_naming_it(tmp_path):

@@ -2,7 +2,8 @@
 
 A page is a few named tensors (a KV block's ``k`` and ``v``, a hybrid layer's state). Its file:
 
-    MAGIC (8 bytes) | SHA-256 of everything after it (32) | header length (8, little endian)
+    MAGIC (8 bytes) | CRC-32 of everything after it (4, little endian)
+    | header length (8, little endian)
     | header (JSON: key, and each tensor's name, dtype, shape and byte count) | tensor bytes
 
 Each tensor's bytes start at a multiple of ``ALIGN`` bytes from the file's start (the header is
@@ -15,9 +16,15 @@ Why each piece:
   flushed and fsynced, then ``os.replace``d onto its name, and the directory is fsynced. A
   process killed mid-write leaves only the temporary file, which the next ``DiskTier`` on the
   directory deletes: a page name always holds a whole page, the last one written under it.
-* **Checksum.** Reading verifies the digest before any byte becomes a tensor, so a flipped bit
-  or a truncated file raises ``PageCorrupted`` instead of feeding wrong K/V to attention; so
-  does a page whose file was deleted behind the tier's back.
+* **Checksum.** Reading verifies the checksum before any byte becomes a tensor, so a flipped
+  bit or a truncated file raises ``PageCorrupted`` instead of feeding wrong K/V to attention;
+  so does a page whose file was deleted behind the tier's back. CRC-32 (zlib's) because the
+  tier guards against accidents, not an adversary (who could rewrite the checksum with the
+  page): it catches every burst of up to 32 flipped bits and any other damage but one in 2^32,
+  at a fraction of a cryptographic hash's cost per byte. That cost is paid per page per step: a
+  decode step re-reads every disk page it attends to, on the prefetch worker, whose time per
+  page is what the model's thread competes with. Files of the previous format (``KVSPAGE2``:
+  SHA-256, 32 bytes) are still read.
 * **Budget.** The tier holds at most ``capacity_bytes`` of page files; a write beyond it, or a
   disk that reports ENOSPC, raises ``TierFull`` and leaves the tier as it was.
 """
@@ -31,15 +38,31 @@ import os
 import re
 import struct
 import uuid
+import zlib
 from pathlib import Path
 
 import torch
 
 from kvstack.errors import InvalidArgumentError, PageCorrupted, TierFull
 
-MAGIC = b"KVSPAGE2"  # 2: tensors aligned to ALIGN bytes
+MAGIC = b"KVSPAGE3"  # 3: CRC-32; 2: SHA-256 (still read); both align tensors to ALIGN bytes
 ALIGN = 64
-DIGEST_BYTES = 32  # SHA-256
+DIGEST_BYTES = 4  # CRC-32, little endian
+# Saved records (a conversation's manifest: small, read once per resume) keep the SHA-256 format.
+RECORD_MAGIC = b"KVSPAGE2"
+RECORD_DIGEST_BYTES = 32
+
+
+def _crc32(data) -> bytes:
+    return zlib.crc32(data).to_bytes(DIGEST_BYTES, "little")
+
+
+def _sha256(data) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+# A page file's magic -> (its checksum's bytes, the function that computes it).
+PAGE_FORMATS = {MAGIC: (DIGEST_BYTES, _crc32), RECORD_MAGIC: (RECORD_DIGEST_BYTES, _sha256)}
 PAGE_SUFFIX = ".page"
 TEMP_SUFFIX = ".tmp"
 # Page keys become file names: letters, digits, '_', '-', '.'; no leading dot (temporary files
@@ -82,7 +105,7 @@ def encode_page(key: str, page: Page) -> bytes:
     header = json.dumps({"key": key, "tensors": tensors}).encode()
     header += b" " * _padding(len(MAGIC) + DIGEST_BYTES + 8 + len(header))  # JSON ignores it
     body = struct.pack("<Q", len(header)) + header + b"".join(payload)
-    return MAGIC + hashlib.sha256(body).digest() + body
+    return MAGIC + _crc32(body) + body
 
 
 def _padding(nbytes: int) -> int:
@@ -96,11 +119,12 @@ def decode_page(data: bytes | bytearray, source: str) -> tuple[str, Page]:
     ``bytearray`` (a disk read: no copy after the read), else one writable copy of it."""
     buffer = data if isinstance(data, bytearray) else bytearray(data)
     view = memoryview(buffer)
-    head = len(MAGIC) + DIGEST_BYTES
-    if len(buffer) < head + 8 or view[: len(MAGIC)] != MAGIC:
+    digest_bytes, checksum = PAGE_FORMATS.get(bytes(view[: len(MAGIC)]), (None, None))
+    head = len(MAGIC) + (digest_bytes or 0)
+    if checksum is None or len(buffer) < head + 8:
         raise PageCorrupted(f"{source}: not a kvstack page file (bad magic or truncated)")
     digest = bytes(view[len(MAGIC) : head])
-    actual = hashlib.sha256(view[head:]).digest()
+    actual = checksum(view[head:])
     if actual != digest:
         raise PageCorrupted(
             f"{source}: checksum mismatch (stored {digest.hex()[:16]}…, computed "
@@ -116,9 +140,11 @@ def decode_page(data: bytes | bytearray, source: str) -> tuple[str, Page]:
         if not spec["nbytes"]:  # frombuffer refuses an empty buffer
             page[spec["name"]] = torch.empty(spec["shape"], dtype=dtype)
             continue
-        raw = torch.frombuffer(buffer, dtype=torch.uint8, offset=offset, count=spec["nbytes"])
+        flat = torch.frombuffer(
+            buffer, dtype=dtype, offset=offset, count=spec["nbytes"] // dtype.itemsize
+        )  # [numel]: the offset is a multiple of ALIGN, so the load is aligned
         offset += spec["nbytes"] + _padding(spec["nbytes"])
-        page[spec["name"]] = raw.view(dtype).reshape(spec["shape"])  # [numel] -> shape
+        page[spec["name"]] = flat.view(spec["shape"])  # [numel] -> shape
     return header["key"], page
 
 
@@ -254,7 +280,7 @@ class DiskTier:
         """Store a small JSON record (a saved conversation's manifest) under ``name`` (a file
         name ending in ``.json``), atomically and with a checksum, like a page."""
         body = json.dumps(record, sort_keys=True).encode()
-        data = MAGIC + hashlib.sha256(body).digest() + body
+        data = RECORD_MAGIC + _sha256(body) + body
         self._replace_atomically(self.path / name, data, f"record {name!r}")
 
     def delete_record(self, name: str) -> None:
@@ -273,9 +299,12 @@ class DiskTier:
         if not source.exists():
             return None
         data = source.read_bytes()
-        head = len(MAGIC) + DIGEST_BYTES
+        head = len(RECORD_MAGIC) + RECORD_DIGEST_BYTES
         body = data[head:]
-        if data[: len(MAGIC)] != MAGIC or hashlib.sha256(body).digest() != data[len(MAGIC) : head]:
+        if (
+            data[: len(RECORD_MAGIC)] != RECORD_MAGIC
+            or _sha256(body) != data[len(RECORD_MAGIC) : head]
+        ):
             raise PageCorrupted(f"{source}: checksum mismatch or not a kvstack record")
         return json.loads(body)
 
@@ -307,8 +336,8 @@ class DiskTier:
                 done += count
             del view
             del data[done:]  # a file that shrank meanwhile fails the checks below
-        source = self.file_of(key)
-        stored_key, page = decode_page(data, str(source))
+        source = os.path.join(self._directory, key + PAGE_SUFFIX)  # cheaper than a Path
+        stored_key, page = decode_page(data, source)
         if stored_key != key:
             raise PageCorrupted(f"{source}: holds page {stored_key!r}, expected {key!r}")
         return page

@@ -121,8 +121,10 @@ class Prefetcher:
                 page = {n: t.to(self.device, non_blocking=True) for n, t in page.items()}
                 event = torch.cuda.Event()
                 event.record(self._stream)
-        else:
+        elif tier != "device" and self.device.type != "cpu":
             page = {n: t.to(self.device) for n, t in page.items()}
+        # On a CPU device the host and disk tiers' tensors are already where attention reads
+        # them (a copy would change nothing, and its calls cost the worker the GIL twice).
         return page, tier, event, time.perf_counter() - start
 
     @property
