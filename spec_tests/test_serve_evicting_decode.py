@@ -109,14 +109,17 @@ def plain(state, num_tokens: int):
     return state
 
 
-def side_by_side(model, spec, requests, monkeypatch, capacity_blocks=400, compact=False):
+def side_by_side(
+    model, spec, requests, monkeypatch, capacity_blocks=400, compact=False, path=evicting_decode
+):
     """Run ``requests`` (ids, new tokens, arrival step) on two engines, the batched decode on
     in the first and off in the second; after every step the two must hold the same tables
     and scores. ``compact``: the batched engine's arena compacts after each request's slots
     are taken (as a later request's room may make it), so slots differ and only what they
-    hold is compared. Returns (the batched path's row count, the handles of both)."""
-    counted = Counted(evicting_decode.attend_steady_decodes)
-    monkeypatch.setattr(evicting_decode, "attend_steady_decodes", counted)
+    hold is compared. ``path``: the batched path whose rows are counted (``evicting_decode``
+    or ``headwise_decode``). Returns (its row count, the handles of both)."""
+    counted = Counted(path.attend_steady_decodes)
+    monkeypatch.setattr(path, "attend_steady_decodes", counted)
     if compact:
         real_take = evicting_decode.take_slots
 

@@ -19,6 +19,10 @@ request's token tables, exactly as under ``generate``). Then:
   one call, and each row's pieces are merged by their log-sum-exp: split-K across requests
   (FlashDecoding's split, with ``kvstack.reference.merge``'s rule). The call then computes at
   most a piece of padding per row. Only the order of the floating-point sums differs.
+* **decode tokens of batched paths**: evicting requests at their budget
+  (``kvstack.serve.evicting_decode``) and head-wise requests past their prompt
+  (``kvstack.serve.headwise_decode``) are stored, attended (and evicted) per layer for all of
+  them at once, instead of through each request's cache.
 * **prefill work**, and any layer the batch cannot take (a sliding window, a prefill the cache
   holds back in chunks, pools of another geometry): ``kvstack_attention`` per request, as before.
 
@@ -43,7 +47,7 @@ from kvstack import ops
 from kvstack.hf import attention as kv_attention
 from kvstack.hf import kvstack_attention
 from kvstack.reference.attention import AttentionOutput
-from kvstack.serve import evicting_decode
+from kvstack.serve import evicting_decode, headwise_decode
 
 SEGMENTS_KWARG = "kvstack_segments"  # the step's segments, passed through the model call
 UNSUPPORTED = ("softcap", "s_aux", "sinks")  # kvstack_attention refuses these; it says why
@@ -80,14 +84,15 @@ def serve_attention(
     )
     outs: list[torch.Tensor | None] = [None] * len(segments)
     decodes: list[tuple[int, Any]] = []  # (segment index, its cache layer)
-    steady: dict[tuple, list[tuple[int, Any]]] = {}  # geometry -> (segment index, steady layer)
+    # (batched path, what its layers share) -> (segment index, steady layer)
+    steady: dict[tuple, list[tuple[int, Any]]] = {}
     for index, segment in enumerate(segments):
         r, s, e = segment.row, segment.start, segment.end
         if batchable and e - s == 1:
-            layer = evicting_decode.steady_layer(segment.cache, module.layer_idx)
-            if layer is not None:  # stored, attended and evicted with its peers below
-                evicting_decode.take_slots(layer)  # in the step's order, as update's
-                steady.setdefault(evicting_decode.geometry(layer), []).append((index, layer))
+            group = _steady_group(segment.cache, module.layer_idx)
+            if group is not None:  # stored and attended (and evicted) with its peers below
+                evicting_decode.take_slots(group[1])  # in the step's order, as update's
+                steady.setdefault(group[0], []).append((index, group[1]))
                 continue
         k, v = segment.cache.update(
             key[r : r + 1, :, s:e], value[r : r + 1, :, s:e], module.layer_idx
@@ -109,8 +114,8 @@ def serve_attention(
             decodes, attend_decodes([layer for _, layer in decodes], queries, scaling), strict=True
         ):
             outs[index] = out
-    for members in steady.values():
-        attended = evicting_decode.attend_steady_decodes(
+    for (path, _), members in steady.items():
+        attended = path.attend_steady_decodes(
             [layer for _, layer in members],
             [segments[i].row for i, _ in members],
             [segments[i].start for i, _ in members],
@@ -123,6 +128,19 @@ def serve_attention(
             outs[index] = out
     # A packed step: [1, T, H_q, D]; a batch of one decode row per request: [R, 1, H_q, D].
     return torch.cat(outs, dim=0 if query.shape[0] > 1 else 1), None
+
+
+def _steady_group(cache: Any, layer_idx: int) -> tuple[tuple, Any] | None:
+    """((batched path, what the layers it attends together share), the layer) when ``cache``'s
+    layer ``layer_idx`` takes a batched decode path this step: an evicting layer at its budget
+    (``evicting_decode``) or a head-wise one past its prompt (``headwise_decode``); else None."""
+    layer = evicting_decode.steady_layer(cache, layer_idx)
+    if layer is not None:
+        return (evicting_decode, evicting_decode.geometry(layer)), layer
+    layer = headwise_decode.steady_layer(cache, layer_idx)
+    if layer is not None:
+        return (headwise_decode, headwise_decode.group_key(layer)), layer
+    return None
 
 
 def _decodes_alone(layer: Any, key: torch.Tensor) -> bool:

@@ -53,14 +53,20 @@ _ENABLED = True
 
 @contextlib.contextmanager
 def general_path_only() -> Iterator[None]:
-    """Within it, every evicting decode takes ``serve_attention``'s general path: what the
-    batched one is measured against (``kvstack bench serve``) and tested against."""
+    """Within it, every evicting decode, and every head-wise one
+    (``kvstack.serve.headwise_decode``), takes ``serve_attention``'s general path: what the
+    batched ones are measured against (``kvstack bench serve``) and tested against."""
     global _ENABLED
     enabled, _ENABLED = _ENABLED, False
     try:
         yield
     finally:
         _ENABLED = enabled
+
+
+def batching_enabled() -> bool:
+    """False within ``general_path_only``."""
+    return _ENABLED
 
 
 def steady_layer(cache: Any, layer_idx: int) -> TokenTableLayer | None:
@@ -95,6 +101,35 @@ def take_slots(layer: TokenTableLayer) -> None:
     layer.batch.record_appended(slots[:, None])  # [N, 1]
 
 
+def store_decode_tokens(
+    layers: list[TokenTableLayer],
+    rows: list[int],
+    tokens: list[int],
+    key: torch.Tensor,
+    value: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write one decode token of each of R requests' layers (one arena, one geometry) to each
+    of its tables' newest slot (``take_slots`` recorded them), in one copy for K and one for V:
+    request i's token is ``key``/``value`` [B, H_kv, T, D] at row ``rows[i]`` and step position
+    ``tokens[i]``. Returns (rows, tokens) as index tensors on ``key``'s device, to pick the
+    requests' queries with."""
+    first = layers[0]
+    pool = first.pool
+    per_table, head_dim = first.heads_per_table, pool.head_dim
+    # Read after every request took its slots: a later request's room may have compacted the
+    # arena and renamed an earlier one's.
+    new_slots = torch.cat([layer.batch.slots[:, -1] for layer in layers]).to(pool.key.device)
+    pick_rows = torch.tensor(rows, device=key.device)
+    pick_tokens = torch.tensor(tokens, device=key.device)
+    # [R, H_kv, D] -> [R * groups, per_table, D]: table-major, a table's heads together.
+    table_rows = (-1, per_table, head_dim)
+    arena_rows = (pool.num_slots, per_table, head_dim)  # the arena as [S, per_table, D]
+    for store, step in ((pool.key, key), (pool.value, value)):
+        new_rows = step[pick_rows, :, pick_tokens].reshape(table_rows).to(store.dtype)
+        store.view(arena_rows).index_copy_(0, new_slots, new_rows)
+    return pick_rows, pick_tokens
+
+
 def attend_steady_decodes(
     layers: list[TokenTableLayer],
     rows: list[int],
@@ -112,18 +147,10 @@ def attend_steady_decodes(
     first = layers[0]
     pool = first.pool
     device = pool.key.device
-    groups, per_table, head_dim = first.groups, first.heads_per_table, pool.head_dim
+    groups = first.groups
 
     # 1. Append: the K/V rows of every request in one copy, to each table's newest slot.
-    new_slots = torch.cat([layer.batch.slots[:, -1] for layer in layers]).to(device)  # [R * groups]
-    pick_rows = torch.tensor(rows, device=key.device)
-    pick_tokens = torch.tensor(tokens, device=key.device)
-    # [R, H_kv, D] -> [R * groups, per_table, D]: table-major, a table's heads together.
-    table_rows = (-1, per_table, head_dim)
-    arena_rows = (pool.num_slots, per_table, head_dim)  # the arena as [S, per_table, D]
-    for store, step in ((pool.key, key), (pool.value, value)):
-        new_rows = step[pick_rows, :, pick_tokens].reshape(table_rows).to(store.dtype)
-        store.view(arena_rows).index_copy_(0, new_slots, new_rows)
+    pick_rows, pick_tokens = store_decode_tokens(layers, rows, tokens, key, value)
 
     # 2. Attend: every table's live tokens (budget + 1 each), padded to the widest.
     views = [layer.attention_view() for layer in layers]  # (K, V, slots [N, L], indices)
