@@ -226,8 +226,9 @@ def batched_decode_steps(
     model: Any, spec: Any, prompts: list[list[int]], rounds: int, block: int
 ) -> tuple[list[float], list[float]]:
     """Seconds of decode steps of ``prompts`` on one engine (an arena that holds them all),
-    once every prompt is in: ``rounds`` blocks of ``block`` steps with evicting decodes batched
-    (``kvstack.serve.evicting_decode``), each followed by a block on the general path. Returns
+    once every prompt is in: ``rounds`` blocks of ``block`` steps with evicting or head-wise
+    decodes batched (``kvstack.serve.evicting_decode``, ``kvstack.serve.headwise_decode``), each
+    followed by a block on the general path. Returns
     (batched step seconds, general step seconds). The requests are then cancelled, and the
     arena must be empty."""
     from kvstack.arena import KVArena

@@ -39,13 +39,22 @@ From that profile:
   at once and output tokens/s, ``CacheSpec(profile=...)`` over ``CacheSpec()`` (lossless). What
   differs besides the cache: the lossless engine keeps every request's K/V in one stacked block
   table (one scatter and one attention call per layer for all requests); the head-wise one runs
-  each request's own cache (per-request appends and tables; its decode attention is the ragged
-  op run from the profile's ahead-of-time work list for torch's CPU threads). Target >= 2.6 for
+  each request's own cache (per-request tables, each KV head its own; past their prompts, a
+  step's decodes are stored and viewed per layer for all requests at once,
+  ``kvstack.serve.headwise_decode``, and attended by one ragged op call run from the profile's
+  ahead-of-time work list for torch's CPU threads). Target >= 2.6 for
   both (Tangram: up to 2.6x). ``.long_context``: the same on a trace of long prompts, the eight
   benchmark prompts (1.2-1.3k tokens) with ``LONG_NEW_TOKENS`` new tokens each, all at once,
   on an arena of a quarter of their full KV: the serve trace's prompts are short (median ~130
   tokens), where SnapKV's observation window and the decode tokens, which every head keeps,
   are much of what a request holds.
+
+* ``tangram.batched_headwise_decode``: the time of a decode step of
+  ``serve.BATCHED_DECODE_REQUESTS`` of the long prompts at once on one engine, head-wise,
+  ``serve_attention``'s general path (each request's cache stores its token and builds its live
+  view, then one ragged call) ÷ the batched one (``kvstack.serve.headwise_decode``: per layer,
+  one copy of every request's K/V, one sort for every table's view, one ragged call). Blocks of
+  steps on each path alternate on the one engine (``serve.batched_decode_steps``); medians.
 
 * ``tangram.quality.accuracy.{headwise,uniform,full}``: accuracy on the quality benchmark's
   long-context retrieval set (``kvstack.bench.quality``: passkey, needle and QA items of 695-1317
@@ -480,7 +489,52 @@ def measure_engine(
             figures[name + suffix] = dataclasses.replace(
                 figure, description=figure.description.replace("TRACE", what)
             )
+    figures["tangram.batched_headwise_decode"], workload["batched_decode"] = measure_batched_decode(
+        model, profile, traces[".long_context"][1], quick, log
+    )
     return figures, workload
+
+
+def measure_batched_decode(
+    model: Any,
+    profile: Any,
+    requests: list[tuple[list[int], int]],
+    quick: bool,
+    log: Callable[[str], None],
+) -> tuple[Figure, dict[str, Any]]:
+    """``tangram.batched_headwise_decode``: decode steps of the first of ``requests`` at once,
+    head-wise, on the general path ÷ on the batched one."""
+    from kvstack.bench import serve as serve_bench
+    from kvstack.serve import CacheSpec
+
+    count, rounds, block = (
+        serve_bench.QUICK_BATCHED_DECODE
+        if quick
+        else (
+            serve_bench.BATCHED_DECODE_REQUESTS,
+            serve_bench.BATCHED_DECODE_ROUNDS,
+            serve_bench.BATCHED_DECODE_BLOCK,
+        )
+    )
+    log(f"  batched head-wise decode: {count} requests, {rounds} x {block} steps a path")
+    prompts = [ids for ids, _ in requests[:count]]
+    batched, general = serve_bench.batched_decode_steps(
+        model, CacheSpec(profile=profile), prompts, rounds, block
+    )
+    figure = Figure(
+        statistics.median(general) / statistics.median(batched),
+        "ratio",
+        f"decode step time of {count} of the benchmark prompts at once, HeadwiseCache: "
+        "serve_attention's general path ÷ the batched one (kvstack.serve.headwise_decode), one "
+        f"engine, {rounds} alternating blocks of {block} steps on each, medians",
+    )
+    workload = {
+        "requests": count,
+        "prompt_tokens": [len(ids) for ids in prompts],
+        "batched_step_s": batched,
+        "general_step_s": general,
+    }
+    return figure, workload
 
 
 def measure_engine_trace(

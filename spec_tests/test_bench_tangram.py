@@ -1,5 +1,6 @@
 """The Tangram benchmark's measures: overallocation by grouping, the planners' balance, the AoT
-list's key ranges, the DynamicCache step it divides by, and its README table."""
+list's key ranges, the DynamicCache step it divides by, the batched head-wise decode's timing,
+and its README table."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ from kvstack.bench.tangram import (
     decode_step,
     key_ranges,
     layer_imbalances,
+    measure_batched_decode,
     overallocations,
     readme_tables,
     split_fractions,
     uniform_profile,
 )
 from kvstack.head_groups import group_heads, plan_ahead_of_time
-from spec_tests.tiny import tiny_llama_config
+from spec_tests.tiny import tiny_llama_config, tiny_serving_llama
 
 # Two layers of four heads whose budgets pair up when sorted: adjacent pairs mix high and low.
 BUDGETS = ((0.9, 0.1, 0.8, 0.2), (0.5, 0.5, 0.25, 0.25))
@@ -139,3 +141,28 @@ def test_the_uniform_profile_shares_the_same_total_evenly():
         profile.calibration,
         profile.ratio,
     )
+
+
+def test_the_batched_headwise_decode_is_timed_against_the_general_path(monkeypatch):
+    from kvstack.serve import headwise_decode
+    from spec_tests.test_serve_engine import TINY_PROFILE
+
+    calls = []
+    real = headwise_decode.attend_steady_decodes
+
+    def counted(layers, *args):
+        calls.append(len(layers))
+        return real(layers, *args)
+
+    monkeypatch.setattr(headwise_decode, "attend_steady_decodes", counted)
+    model = tiny_serving_llama(max_position_embeddings=1024)  # TINY_PROFILE's model
+    gen = torch.Generator().manual_seed(2)
+    requests = [(torch.randint(1, 256, (n,), generator=gen).tolist(), 4) for n in (90, 60, 30)]
+    figure, workload = measure_batched_decode(model, TINY_PROFILE, requests, True, print)
+    # Quick: the first 2 requests, 2 rounds of 2 steps on each path.
+    assert workload["prompt_tokens"] == [90, 60]
+    assert len(workload["batched_step_s"]) == len(workload["general_step_s"]) == 4
+    assert figure.value > 0
+    # Only the batched blocks' steps ran batched, both requests in every layer (the shorter
+    # prompt's decode steps while the longer one was prefilled ran batched too, alone).
+    assert calls.count(2) == 4 * model.config.num_hidden_layers

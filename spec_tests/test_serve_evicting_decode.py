@@ -196,7 +196,15 @@ def test_a_compaction_between_requests_slots_moves_them_and_the_rows_follow(mode
     # taken for this step's tokens among them; the tokens' K/V must land where their tables
     # say after the move.
     requests = [(prompt(20 + 9 * i, 110 + i), 4 + 3 * i, i) for i in range(4)]
-    spec = CacheSpec(policy=H2O(), ratio=0.5)
+    rows, moved = side_by_side_compacting(
+        model, CacheSpec(policy=H2O(), ratio=0.5), requests, monkeypatch
+    )
+    assert rows > 0 and moved > 0  # batched steps, and compactions that moved blocks
+
+
+def side_by_side_compacting(model, spec, requests, monkeypatch, path=evicting_decode):
+    """``side_by_side(..., compact=True)``, counting what the compactions moved. Returns (the
+    batched path's row count, the compactions that moved blocks)."""
     moved = []
     real_compact = KVArena.compact
 
@@ -206,8 +214,8 @@ def test_a_compaction_between_requests_slots_moves_them_and_the_rows_follow(mode
         moved.append(arena.compactions - before)
 
     monkeypatch.setattr(KVArena, "compact", counted)
-    rows, _ = side_by_side(model, spec, requests, monkeypatch, compact=True)
-    assert rows > 0 and sum(moved) > 0  # batched steps, and compactions that moved blocks
+    rows, _ = side_by_side(model, spec, requests, monkeypatch, compact=True, path=path)
+    return rows, sum(moved)
 
 
 class ScoresLikeH2OButOlderFirst(H2O):

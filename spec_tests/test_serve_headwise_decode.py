@@ -17,11 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvstack.hf
-from kvstack.arena import KVArena
 from kvstack.policies import H2O, SnapKV
 from kvstack.serve import CacheSpec, headwise_decode
 from spec_tests.test_serve_engine import TINY_PROFILE
-from spec_tests.test_serve_evicting_decode import prompt, side_by_side
+from spec_tests.test_serve_evicting_decode import prompt, side_by_side, side_by_side_compacting
 from spec_tests.tiny import tiny_serving_llama
 
 
@@ -60,17 +59,8 @@ def test_batched_headwise_decodes_leave_the_tables_the_general_path_leaves(
 
 def test_a_compaction_between_requests_slots_moves_them_and_the_rows_follow(model, monkeypatch):
     requests = [(prompt(20 + 9 * i, 150 + i), 4 + 3 * i, i) for i in range(4)]
-    moved = []
-    real_compact = KVArena.compact
-
-    def counted(arena, **kwargs):
-        before = arena.compactions
-        real_compact(arena, **kwargs)
-        moved.append(arena.compactions - before)
-
-    monkeypatch.setattr(KVArena, "compact", counted)
-    rows, _ = side_by_side(model, SPEC, requests, monkeypatch, compact=True, path=headwise_decode)
-    assert rows > 0 and sum(moved) > 0  # batched steps, and compactions that moved blocks
+    rows, moved = side_by_side_compacting(model, SPEC, requests, monkeypatch, path=headwise_decode)
+    assert rows > 0 and moved > 0  # batched steps, and compactions that moved blocks
 
 
 def test_a_prompt_of_one_chunk_and_a_one_token_last_chunk_share_steps_with_batched_decodes(
