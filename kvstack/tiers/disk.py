@@ -48,9 +48,11 @@ from kvstack.errors import InvalidArgumentError, PageCorrupted, TierFull
 MAGIC = b"KVSPAGE3"  # 3: CRC-32; 2: SHA-256 (still read); both align tensors to ALIGN bytes
 ALIGN = 64
 DIGEST_BYTES = 4  # CRC-32, little endian
-# Saved records (a conversation's manifest: small, read once per resume) keep the SHA-256 format.
-RECORD_MAGIC = b"KVSPAGE2"
-RECORD_DIGEST_BYTES = 32
+# Format 2: SHA-256. Page files written before format 3 are still read; saved records (a
+# conversation's manifest: small, read once per resume) are still written in it.
+SHA256_MAGIC = b"KVSPAGE2"
+SHA256_DIGEST_BYTES = 32
+RECORD_MAGIC, RECORD_DIGEST_BYTES = SHA256_MAGIC, SHA256_DIGEST_BYTES
 
 
 def _crc32(data) -> bytes:
@@ -62,7 +64,7 @@ def _sha256(data) -> bytes:
 
 
 # A page file's magic -> (its checksum's bytes, the function that computes it).
-PAGE_FORMATS = {MAGIC: (DIGEST_BYTES, _crc32), RECORD_MAGIC: (RECORD_DIGEST_BYTES, _sha256)}
+PAGE_FORMATS = {MAGIC: (DIGEST_BYTES, _crc32), SHA256_MAGIC: (SHA256_DIGEST_BYTES, _sha256)}
 PAGE_SUFFIX = ".page"
 TEMP_SUFFIX = ".tmp"
 # Page keys become file names: letters, digits, '_', '-', '.'; no leading dot (temporary files

@@ -2,8 +2,9 @@
 
 ``Prefetcher.prefetch(keys)`` hands the pages to a worker thread as one task (a layer's pages:
 one queue hand-off, not one per page), which reads them in order, each from the fastest tier
-holding it (a disk read checks its checksum), copies it to the device and completes that
-page's future before it starts the next.
+holding it (a disk read checks its checksum), copies it to the device (on a CPU device, a page
+read from host or disk is already there) and completes that page's future before it starts the
+next.
 ``take(key)`` returns the page for attention; it waits for that page's fetch to complete first,
 so **no page is read before its copy completes** (vToken's I3, across tiers). On CUDA the copy
 runs on a side stream and ``take`` makes the compute stream wait on its event; on CPU the
