@@ -47,10 +47,12 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# --durations: each run ends with its slowest tests, to keep the whole under 25 minutes.
 test: install lint $(OLDEST)/.installed
-	$(BIN)/python -m pytest spec_tests -q -m "not slow and not gpu" --hypothesis-profile=$(HYPOTHESIS_PROFILE)
+	$(BIN)/python -m pytest spec_tests -q -m "not slow and not gpu" --hypothesis-profile=$(HYPOTHESIS_PROFILE) \
+		--durations=25
 	PYTHONPATH=$(OLDEST) $(BIN)/python -m pytest $(HF_TESTS) -q -m "not slow and not gpu" \
-		--hypothesis-profile=$(HYPOTHESIS_PROFILE)
+		--hypothesis-profile=$(HYPOTHESIS_PROFILE) --durations=10
 	$(BIN)/kvstack figures --check
 
 # The committed figures: each suite writes bench/results/SUITE.json (commit it), then the README
