@@ -11,8 +11,10 @@ longest, so the running requests outgrow it as they decode; a host tier
 ``max_batch_tokens`` 512, ``prefill_chunk`` 128.
 
 * ``tiers.scheduler_bytes_ratio``: bytes copied back from the host per output token with
-  ``PageAwareRule`` (resident work first, then the fewest bytes to fetch; it swaps out the
-  request holding the fewest bytes; the fairness bound ``max_wait``) ÷ ``FIFORule`` (the
+  ``PageAwareRule`` (resident work first, then the fewest bytes to fetch; looking ahead with
+  each request's ``max_new_tokens``, it brings a swapped request back only when the room lasts
+  until a request finishes, and swaps out the smallest request whose leaving makes that room;
+  the fairness bound ``max_wait``) ÷ ``FIFORule`` (the
   oldest request first wherever its pages are; the newest request swapped out: vLLM's
   policy). The requests arrive as a Poisson process of ``ARRIVAL_RATE`` per engine step,
   counted in steps, so a run makes the same steps and moves the same bytes every time: one run
