@@ -73,9 +73,14 @@ class Outlook:
     prefill_chunk: int
     resident: tuple[Request, ...]
 
+    @staticmethod
+    def known_tokens(request: Request) -> int:
+        """Tokens ``request`` knows but has not computed: fed in chunks before its next output."""
+        return len(request.prompt_ids) + len(request.output_ids) - request.computed
+
     def steps_to_finish(self, request: Request) -> int:
         """The fewest steps until ``request`` makes its last token (and frees its pages)."""
-        known = len(request.prompt_ids) + len(request.output_ids) - request.computed
+        known = self.known_tokens(request)
         outputs_left = request.max_new_tokens - len(request.output_ids)
         # The known tokens take ceil(known / chunk) steps and end with one output; each later
         # step feeds the previous output and makes the next.
@@ -83,7 +88,7 @@ class Outlook:
 
     def pages_after(self, request: Request, steps: int) -> int:
         """The most pages ``request`` holds after ``steps`` more steps."""
-        known = len(request.prompt_ids) + len(request.output_ids) - request.computed
+        known = self.known_tokens(request)
         chunk_steps = -(-known // self.prefill_chunk)
         if steps <= chunk_steps:
             fed = min(known, steps * self.prefill_chunk)
