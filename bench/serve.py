@@ -313,18 +313,19 @@ def trace_requests(
     *,
     arrival_rate: float | None = None,
     quick: bool = False,
+    seed: int = TRACE_SEED,
 ) -> tuple[list[tuple[list[int], int]], list[int]]:
     """``count`` requests of ``kvstack.workloads.draw_trace`` (ShareGPT-like lengths, contexts
-    up to ``max_context``, outputs capped at ``max_new``) as (prompt ids, new tokens): each
-    prompt a slice of the longest benchmark prompt. With them, the engine step at which each
-    arrives (all 0 unless ``arrival_rate``, requests per step, is given)."""
+    up to ``max_context``, outputs capped at ``max_new``, drawn with ``seed``) as (prompt ids,
+    new tokens): each prompt a slice of the longest benchmark prompt. With them, the engine
+    step at which each arrives (all 0 unless ``arrival_rate``, requests per step, is given)."""
     from kvstack.bench.prompts import build_prompts
     from kvstack.workloads import draw_trace
 
     source = max(build_prompts(tokenizer, quick=quick), key=lambda p: p.num_tokens)
     ids = source.input_ids[0].tolist()
     requests, arrivals = [], []
-    trace = draw_trace(count, seed=TRACE_SEED, max_context=max_context, arrival_rate=arrival_rate)
+    trace = draw_trace(count, seed=seed, max_context=max_context, arrival_rate=arrival_rate)
     for request in trace:
         length = max(1, min(request.prompt_tokens, len(ids)))
         offset = (request.request_id * 37) % max(1, len(ids) - length + 1)

@@ -43,6 +43,7 @@ def test_the_quick_run_measures_every_figure_and_its_tiered_tokens_are_exact(qui
         "tiers.recompute.tokens_equal_dynamic",
         "tiers.scheduler_bytes_ratio",
         "tiers.scheduler_bytes_ratio.vs_round_robin",
+        "tiers.scheduler_bytes_ratio.first_trace",
         "tiers.engine.bytes_per_token.page_aware",
         "tiers.engine.bytes_per_token.fifo",
         "tiers.engine.bytes_per_token.round_robin",
@@ -94,6 +95,20 @@ def test_the_quick_run_measures_every_figure_and_its_tiered_tokens_are_exact(qui
         assert run["bytes_in"] == run["bytes_out"], name
         assert figures[f"tiers.engine.swaps.{name}"].value == run["swaps"]
     assert engine["runs"]["round_robin"]["swaps"] > 0
+    # The headline ratio sums every trace's bytes and tokens; the first trace is the runs'.
+    traces = engine["scheduler_traces"]
+    assert (
+        len(traces) == 2 and traces["0"]["fifo"]["bytes_in"] == engine["runs"]["fifo"]["bytes_in"]
+    )
+
+    def per_token(name):
+        return sum(t[name]["bytes_in"] for t in traces.values()) / sum(
+            t[name]["output_tokens"] for t in traces.values()
+        )
+
+    assert figures["tiers.scheduler_bytes_ratio"].value == pytest.approx(
+        per_token("page_aware") / per_token("fifo")
+    )
     assert engine["recompute_preemptions"] > 0
     # The multi-turn runs: the store is too small for every conversation, so both rules drop
     # pages, reuse some, and every turn still makes the tokens of re-prefilling its prompt.

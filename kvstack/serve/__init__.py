@@ -6,7 +6,14 @@ Importing this module registers the engine's attention (``"kvstack_serve"``) wit
 from kvstack.serve.cache_spec import CacheSpec
 from kvstack.serve.engine import SERVE_ATTENTION, Engine, register
 from kvstack.serve.request import Request, RequestStats, Sampling
-from kvstack.serve.scheduler import BatchRule, FIFORule, PageAwareRule, RoundRobinRule, Work
+from kvstack.serve.scheduler import (
+    BatchRule,
+    FIFORule,
+    Outlook,
+    PageAwareRule,
+    RoundRobinRule,
+    Work,
+)
 from kvstack.serve.swap import HostSwap, SwapStats
 
 register()
@@ -18,6 +25,7 @@ __all__ = [
     "Engine",
     "FIFORule",
     "HostSwap",
+    "Outlook",
     "PageAwareRule",
     "Request",
     "RequestStats",

@@ -44,7 +44,9 @@ A step, in order:
    offered with the bytes it would fetch. A step that takes it copies them back first (making
    room, if needed, by swapping out the resident request the rule picks, ``choose_victim``,
    else the newest). Non-resident work after the step's first piece waits when it does not
-   fit, rather than pushing others out.
+   fit, rather than pushing others out, and work the rule would not bring back yet
+   (``may_swap_in``: the page-aware rule's look-ahead) waits too, unless nothing else could
+   run.
 4. **Forward and sampling**: requests whose work reached their last known token draw the next
    one (``request.Sampling``); a request ends at a stop id or at ``max_new_tokens`` and returns
    its pages.
@@ -93,7 +95,7 @@ from kvstack.serve.request import (
     stop_set,
     token_ids,
 )
-from kvstack.serve.scheduler import BatchRule, PageAwareRule, Work, fill_batch
+from kvstack.serve.scheduler import BatchRule, Outlook, PageAwareRule, Work, fill_batch
 from kvstack.serve.stacked_kv import StackedKV
 from kvstack.serve.swap import HostSwap
 
@@ -714,7 +716,7 @@ class Engine:
         (admitted early: it goes back to the queue), so a step with requests running always has
         work (one request alone fits: ``submit`` checked)."""
         while True:
-            offers = [self._offer(request) for request in self._running]
+            offers = self._swap_ins_allowed([self._offer(request) for request in self._running])
             ordered = self.rule.order(offers, self._step)
             budget = self.max_batch_tokens
             if self.step_time_target is not None or self.tpot_target is not None:
@@ -778,13 +780,36 @@ class Engine:
             return decodes, self.max_batch_tokens  # the decodes cannot spare it: prefill waits
         return decodes + rest, len(decodes) + prefill
 
+    def _swap_ins_allowed(self, offers: list[Work]) -> list[Work]:
+        """With a swap tier, ``offers`` less the swapped requests' work the rule would not
+        bring back yet (``may_swap_in``); all of them if that would leave nothing to run."""
+        may_swap_in = getattr(self.rule, "may_swap_in", None)
+        if self.swap is None or may_swap_in is None or all(work.resident for work in offers):
+            return offers
+        outlook = self._outlook()
+        kept = [work for work in offers if work.resident or may_swap_in(work, outlook, self._step)]
+        return kept or offers
+
+    def _outlook(self) -> Outlook:
+        """The arena as the swap tier's rules see it: the pages the resident requests hold or
+        could take (the free bytes), in the stacked store's pages."""
+        resident = tuple(request for request in self._running if request.cache is not None)
+        page_bytes = len(self._probe.paged_layers) * self.geometry.block_bytes
+        available = self.arena.bytes_free + sum(self._held_need(r).kv for r in resident)
+        return Outlook(
+            capacity_pages=available // page_bytes,
+            block_size=self.spec.block_size,
+            prefill_chunk=self.prefill_chunk,
+            resident=resident,
+        )
+
     def _victim(self, candidates: list[Request]) -> Request:
         """Whom to preempt: the newest request (it loses the least work when recomputed), or
         with a swap tier the rule's choice where it makes one (``choose_victim``: a swapped
         request loses no work, so the rule may weigh the bytes instead)."""
         choose = getattr(self.rule, "choose_victim", None)
         if self.swap is not None and choose is not None:
-            victim = choose(candidates)
+            victim = choose(candidates, self._outlook())
             if not any(victim is candidate for candidate in candidates):
                 raise InvalidArgumentError(
                     f"{self.rule!r}.choose_victim returned {victim!r}, which is not one of the "

@@ -12,10 +12,17 @@ many bytes taking it would fetch (``fetch_bytes``); taking it may push a newer r
   work first (it fetches nothing), then the non-resident work that fetches the fewest bytes.
   Among equals, the request that has waited longest since it last ran goes first, so a waiting
   prefill ages until it is first. Its fairness bound: a request that has not run for more than
-  ``max_wait`` steps goes before every request that has, wherever its pages are. When the
-  engine must swap a request out to make room, it picks the one holding the fewest bytes
-  (``choose_victim``): what goes out comes back in, so the smallest sufficient moves are the
-  cheapest.
+  ``max_wait`` steps goes before every request that has, wherever its pages are. It looks
+  ahead (``Outlook``: each request's length is bounded by its ``max_new_tokens``), so that
+  what it moves stays moved:
+
+  - a swapped request comes back (``may_swap_in``) only when it and the resident requests can
+    all grow until the first of them finishes; one brought back sooner would be swapped out
+    again before any room frees, and its bytes would move twice;
+  - when the engine must swap a request out to make room (``choose_victim``), it picks, of
+    those whose leaving lets the rest grow until the first of them finishes, the one holding
+    the fewest bytes: what goes out comes back in, so the smallest sufficient move is the
+    cheapest. If no one request is enough, the one holding the most goes (the fewest moves).
 * ``FIFORule``: the oldest request first, wherever its pages are (vLLM's default priority);
   the engine's default victim, the newest request.
 * ``RoundRobinRule``: the request that ran least recently first, wherever its pages are;
@@ -48,10 +55,68 @@ class Work:
     fetch_bytes: int = 0  # bytes copied back to the arena before the work can run
 
 
+@dataclass(frozen=True)
+class Outlook:
+    """The arena over the coming steps, as an engine with a swap tier sees it: its capacity in
+    pages of ``block_size`` tokens, the step's prefill chunk, and the ``resident`` requests
+    (those whose pages are in the arena).
+
+    A running request's future is bounded by what it has been given: it still feeds the
+    tokens it knows but has not computed (its prompt, or after a preemption its prompt and
+    outputs), a chunk a step, and then one token a step until ``max_new_tokens``; its last
+    output is never fed. Counted as if it ran every step, that gives the fewest steps until it
+    finishes and the most pages it holds meanwhile. A stop token may end it sooner and a full
+    step budget may slow it: the outlook is a forecast for the rule, not a reservation."""
+
+    capacity_pages: int
+    block_size: int
+    prefill_chunk: int
+    resident: tuple[Request, ...]
+
+    @staticmethod
+    def known_tokens(request: Request) -> int:
+        """Tokens ``request`` knows but has not computed: fed in chunks before its next output."""
+        return len(request.prompt_ids) + len(request.output_ids) - request.computed
+
+    def steps_to_finish(self, request: Request) -> int:
+        """The fewest steps until ``request`` makes its last token (and frees its pages)."""
+        known = self.known_tokens(request)
+        outputs_left = request.max_new_tokens - len(request.output_ids)
+        # The known tokens take ceil(known / chunk) steps and end with one output; each later
+        # step feeds the previous output and makes the next.
+        return -(-known // self.prefill_chunk) + max(0, outputs_left - 1)
+
+    def pages_after(self, request: Request, steps: int) -> int:
+        """The most pages ``request`` holds after ``steps`` more steps."""
+        known = self.known_tokens(request)
+        chunk_steps = -(-known // self.prefill_chunk)
+        if steps <= chunk_steps:
+            fed = min(known, steps * self.prefill_chunk)
+        else:
+            fed = known + steps - chunk_steps
+        final = len(request.prompt_ids) + request.max_new_tokens - 1
+        tokens = min(request.computed + fed, final)
+        return -(-tokens // self.block_size)
+
+    def fits_until_a_finish(self, requests: Sequence[Request]) -> bool:
+        """Whether ``requests`` can all run every step until the first of them finishes (its
+        pages then free), in the arena's pages."""
+        if not requests:
+            return True
+        horizon = min(self.steps_to_finish(request) for request in requests)
+        pages = sum(self.pages_after(request, horizon) for request in requests)
+        return pages <= self.capacity_pages
+
+
 class BatchRule(Protocol):
-    """Orders each step's offers. A rule may also define ``choose_victim(candidates) ->
-    Request``: which resident request an engine with a swap tier moves out to make room (else
-    the newest; without a swap tier always the newest, which loses the least recomputed work)."""
+    """Orders each step's offers. With a swap tier an engine also asks a rule that defines them:
+
+    * ``choose_victim(candidates, outlook) -> Request``: which resident request to move out to
+      make room (else the newest; without a swap tier always the newest, which loses the least
+      recomputed work);
+    * ``may_swap_in(work, outlook, step) -> bool``: whether a swapped request's work may come
+      back this step (else it may whenever its pages fit). Work it holds back waits, unless
+      nothing else could run."""
 
     def order(self, work: Sequence[Work], step: int) -> list[Work]:
         """``work`` in the order the engine should take it at ``step``."""
@@ -76,18 +141,38 @@ class PageAwareRule:
 
     def order(self, work: Sequence[Work], step: int) -> list[Work]:
         def key(w: Work) -> tuple:
-            # Waiting since it last ran, or since it was admitted if it never has.
-            since = max(w.request.last_scheduled_step, w.request.admitted_at_step or 0)
-            overdue = step - since > self.max_wait
+            overdue = self._overdue(w, step)
             fetch = 0 if overdue else w.fetch_bytes
             return (not overdue, fetch, w.request.last_scheduled_step, w.request.id)
 
         return sorted(work, key=key)
 
-    def choose_victim(self, candidates: Sequence[Request]) -> Request:
-        """The request holding the fewest arena bytes (the newest on ties): one that has not
-        started holds none and only goes back to the queue."""
-        return min(candidates, key=lambda request: (_held_bytes(request), -request.id))
+    def may_swap_in(self, work: Work, outlook: Outlook, step: int) -> bool:
+        """Bring a swapped request back only if it and the resident requests can all grow
+        until the first of them finishes, or once it is overdue (``max_wait``)."""
+        if self._overdue(work, step):
+            return True
+        return outlook.fits_until_a_finish([*outlook.resident, work.request])
+
+    def choose_victim(self, candidates: Sequence[Request], outlook: Outlook) -> Request:
+        """Of the candidates whose leaving lets the other resident requests grow until the
+        first of them finishes, the one holding the fewest arena bytes (the newest on ties):
+        one that has not started holds none and only goes back to the queue. If none is
+        enough alone, the one holding the most (the newest on ties)."""
+
+        def enough(victim: Request) -> bool:
+            rest = [request for request in outlook.resident if request is not victim]
+            return outlook.fits_until_a_finish(rest)
+
+        sufficient = [request for request in candidates if enough(request)]
+        if sufficient:
+            return min(sufficient, key=lambda request: (_held_bytes(request), -request.id))
+        return max(candidates, key=lambda request: (_held_bytes(request), request.id))
+
+    def _overdue(self, work: Work, step: int) -> bool:
+        # Waiting since it last ran, or since it was admitted if it never has.
+        since = max(work.request.last_scheduled_step, work.request.admitted_at_step or 0)
+        return step - since > self.max_wait
 
 
 def _held_bytes(request: Request) -> int:
