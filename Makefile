@@ -14,6 +14,9 @@ HF_TESTS := spec_tests/test_hf_paged.py spec_tests/test_hf_token_table_cache.py 
 	spec_tests/test_hf_smollm2.py spec_tests/test_hf_hybrid.py spec_tests/test_serve_engine.py \
 	spec_tests/test_tiered_cache.py spec_tests/test_tiers_recompute.py spec_tests/test_tiers_segments.py \
 	spec_tests/test_serve_turns.py
+# Left out of the oldest-transformers pass: the engine's random traces explore its scheduling,
+# not transformers (each cache kind still serves its solo tokens there, in the tests before).
+HF_TESTS_DESELECT := --deselect spec_tests/test_serve_engine.py::test_random_traces_finish_with_solo_tokens_and_an_empty_arena
 
 .PHONY: install demo test bench bench-lanes bench-lane-a bench-lane-b figures lint clean cuda-check \
 	gpu-check kvpress-env vllm-env
@@ -51,7 +54,7 @@ lint: install
 test: install lint $(OLDEST)/.installed
 	$(BIN)/python -m pytest spec_tests -q -m "not slow and not gpu" --hypothesis-profile=$(HYPOTHESIS_PROFILE) \
 		--durations=25
-	PYTHONPATH=$(OLDEST) $(BIN)/python -m pytest $(HF_TESTS) -q -m "not slow and not gpu" \
+	PYTHONPATH=$(OLDEST) $(BIN)/python -m pytest $(HF_TESTS) $(HF_TESTS_DESELECT) -q -m "not slow and not gpu" \
 		--hypothesis-profile=$(HYPOTHESIS_PROFILE) --durations=10
 	$(BIN)/kvstack figures --check
 
