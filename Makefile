@@ -17,6 +17,11 @@ HF_TESTS := spec_tests/test_hf_paged.py spec_tests/test_hf_token_table_cache.py 
 # Left out of the oldest-transformers pass: the engine's random traces explore its scheduling,
 # not transformers (each cache kind still serves its solo tokens there, in the tests before).
 HF_TESTS_DESELECT := --deselect spec_tests/test_serve_engine.py::test_random_traces_finish_with_solo_tokens_and_an_empty_arena
+# The tests run in TEST_WORKERS processes (pytest-xdist; "auto": one per core), one torch thread
+# each, a file to a process: a module's fixtures (a quick benchmark run, a loaded model) are
+# built once, by the process that runs the module's tests.
+TEST_WORKERS ?= auto
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: install demo test bench bench-lanes bench-lane-a bench-lane-b figures lint clean cuda-check \
 	gpu-check kvpress-env vllm-env
@@ -52,10 +57,10 @@ lint: install
 
 # --durations: each run ends with its slowest tests, to keep the whole under 25 minutes.
 test: install lint $(OLDEST)/.installed
-	$(BIN)/python -m pytest spec_tests -q -m "not slow and not gpu" --hypothesis-profile=$(HYPOTHESIS_PROFILE) \
-		--durations=25
-	PYTHONPATH=$(OLDEST) $(BIN)/python -m pytest $(HF_TESTS) $(HF_TESTS_DESELECT) -q -m "not slow and not gpu" \
-		--hypothesis-profile=$(HYPOTHESIS_PROFILE) --durations=10
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest spec_tests -q -m "not slow and not gpu" $(PYTEST_PARALLEL) \
+		--hypothesis-profile=$(HYPOTHESIS_PROFILE) --durations=25
+	OMP_NUM_THREADS=1 PYTHONPATH=$(OLDEST) $(BIN)/python -m pytest $(HF_TESTS) $(HF_TESTS_DESELECT) -q \
+		-m "not slow and not gpu" $(PYTEST_PARALLEL) --hypothesis-profile=$(HYPOTHESIS_PROFILE) --durations=10
 	$(BIN)/kvstack figures --check
 
 # The committed figures: each suite writes bench/results/SUITE.json (commit it), then the README

@@ -65,8 +65,16 @@ def _run_pytest_benchmark(quick: bool, json_path: Path, log: Callable[[str], Non
     import pytest
 
     log(f"pytest-benchmark: {BENCH_FILE.relative_to(REPO_ROOT)} -> {json_path.name}")
-    previous = os.environ.get("KVSTACK_BENCH_QUICK")
-    os.environ["KVSTACK_BENCH_QUICK"] = "1" if quick else "0"
+    # The nested session's environment: quick or not, and never an xdist worker's. Run from a
+    # test under pytest-xdist, PYTEST_XDIST_WORKER is set, and pytest-benchmark would take the
+    # nested session for a worker and disable its benchmarks (a usage error with --benchmark-only).
+    environment = {"KVSTACK_BENCH_QUICK": "1" if quick else "0", "PYTEST_XDIST_WORKER": None}
+    previous = {name: os.environ.get(name) for name in environment}
+    for name, value in environment.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     try:
         status = pytest.main(
             [
@@ -75,6 +83,8 @@ def _run_pytest_benchmark(quick: bool, json_path: Path, log: Callable[[str], Non
                 "-x",  # a wrong output ends the run: nothing after it would be reported
                 "-p",
                 "no:cacheprovider",
+                "-p",
+                "no:xdist",  # one process: the benchmarks are timed one after another
                 f"--rootdir={REPO_ROOT}",
                 "--benchmark-only",
                 "--benchmark-disable-gc",
@@ -82,14 +92,21 @@ def _run_pytest_benchmark(quick: bool, json_path: Path, log: Callable[[str], Non
             ]
         )
     finally:
-        if previous is None:
-            del os.environ["KVSTACK_BENCH_QUICK"]
-        else:
-            os.environ["KVSTACK_BENCH_QUICK"] = previous
-    if status != 0:
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    if status == pytest.ExitCode.TESTS_FAILED:
         raise KVStackError(
             f"the core microbenchmarks failed (pytest exit status {int(status)}): an output "
             "differs from the reference or a benchmark raised; nothing was reported"
+        )
+    if status != pytest.ExitCode.OK:
+        raise KVStackError(
+            f"the core microbenchmarks did not run (pytest exit status {int(status)}, expected "
+            f"0): pytest stopped before the benchmarks (a usage or collection error, printed "
+            "above); nothing was reported"
         )
     return json.loads(json_path.read_text())
 
