@@ -9,7 +9,7 @@ benchmark prompt of ``PROMPT_TOKENS`` tokens, then ``DECODE_TOKENS`` greedy deco
 sequence holds at the end is ``kv_bytes``; the tiered runs give the device tier a quarter of it,
 the host tier a quarter, and put the rest on disk (a temporary directory: on this machine the
 page files are served from the OS page cache, so a disk read is a file read plus the page's
-CRC-32 check, not a device access). Prefill is untimed; each configuration's decode steps are
+CRC-32C check, not a device access). Prefill is untimed; each configuration's decode steps are
 timed in rounds, interleaved with the others (``time_interleaved``), medians over rounds.
 
 Pages are ``BLOCK_SIZE`` tokens (64: 96 KiB of K and V per layer page for SmolLM2); a page is
@@ -26,6 +26,12 @@ tails ÷ the KV).
   Both sides run the same code (every layer gathers its pages each step, the cache's
   default); what differs is where the pages are read from. Target >= 0.8. ``..._page16`` and ``..._page128``: the same
   ratio with 16- and 128-token pages (each against all-on-device at its own page size).
+* ``tiers.decode_speed_ratio.device25_fetch_when_read``: the quarter-on-device run with
+  ``prefetch_workers=0`` (no worker: each page is fetched on the model's thread when its layer
+  reads it, nothing overlaps) ÷ all on device. Against ``device25`` it prices the worker: on a
+  machine whose second core is busy or a hyperthread of the first, the worker's fetches can
+  slow the model's thread (the GIL the worker holds between its file reads, the core they
+  share) by more than they hide.
 * ``tiers.decode_speed_ratio.segments_over_gathered``: the quarter-on-device run with
   ``merge_segments=True`` (each layer's device-resident, fetched and recomputed pages attended
   as separate segments, merged by log-sum-exp: AsymCache's multi-segment attention) ÷ the same
@@ -184,6 +190,7 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         pages: int = block_size,
         placement: str = "recency",
         merge_segments: bool = False,
+        prefetch_workers: int = 1,
     ) -> TieredCache:
         nonlocal runs
         runs += 1
@@ -213,6 +220,7 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
             track_attention=True,  # every tiered run: both sides of a ratio pay for the scores
             block_size=pages,
             merge_segments=merge_segments,
+            prefetch_workers=prefetch_workers,
         )
 
     def prefill(cache: Any) -> dict[str, Any]:
@@ -242,6 +250,7 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         "device25_lru": lambda: tiered(DEVICE_SHARE, "lru"),
         "device25_attention": lambda: tiered(DEVICE_SHARE, "attention", placement="attention"),
         "device25_cost_segments": lambda: tiered(DEVICE_SHARE, "cost", merge_segments=True),
+        "device25_cost_fetch_when_read": lambda: tiered(DEVICE_SHARE, "cost", prefetch_workers=0),
     }
     for pages in sweep:
         configurations[f"all_device_page{pages}"] = lambda p=pages: tiered(None, "cost", p)
@@ -293,6 +302,13 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
             "ratio",
             f"the same ratio with {pages}-token pages (each side at that page size)",
         )
+    figures["tiers.decode_speed_ratio.device25_fetch_when_read"] = Figure(
+        speed["device25_cost_fetch_when_read"] / speed["all_device"],
+        "ratio",
+        "the quarter-on-device run without the prefetch worker (prefetch_workers=0: each page "
+        "fetched on the model's thread when its layer reads it, no overlap) ÷ every page on "
+        "device",
+    )
     figures["tiers.decode_speed_ratio.segments_over_gathered"] = Figure(
         speed["device25_cost_segments"] / speed["device25_cost"],
         "ratio",

@@ -21,6 +21,7 @@ def test_the_quick_run_measures_every_figure_and_its_tiered_tokens_are_exact(qui
         "tiers.decode_speed_ratio.device25_over_dynamic",
         "tiers.decode_speed_ratio.device25_page4",
         "tiers.decode_speed_ratio.device25_page16",
+        "tiers.decode_speed_ratio.device25_fetch_when_read",
         "tiers.decode_speed_ratio.segments_over_gathered",
         "tiers.device_kv_fraction.device25",
         "tiers.overlap_fraction",

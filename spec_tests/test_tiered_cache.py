@@ -53,6 +53,25 @@ def tiers_attention(model):
 def test_tokens_equal_dynamic_cache_with_pages_on_host_and_disk(
     tiny_model, tmp_path, policy, placement
 ):
+    check_tokens_with_pages_on_host_and_disk(tiny_model, tmp_path, policy, placement)
+
+
+def test_without_a_prefetch_worker_each_page_is_fetched_when_read_with_the_same_tokens(
+    tiny_model, tmp_path
+):
+    cache = check_tokens_with_pages_on_host_and_disk(
+        tiny_model, tmp_path, "cost", "recency", prefetch_workers=0, close=False
+    )
+    assert cache.prefetcher._pool is None and not cache.prefetcher._pending  # nothing ahead
+    # Every fetch ran on the model's thread: its whole time was waited for.
+    assert cache.prefetcher.transfer_seconds > 0
+    assert cache.prefetcher.overlap_fraction == pytest.approx(0.0, abs=1e-9)
+    cache.close()
+
+
+def check_tokens_with_pages_on_host_and_disk(
+    tiny_model, tmp_path, policy, placement, close=True, **options
+):
     ids = torch.randint(1, 256, (1, 90), generator=torch.Generator().manual_seed(1))
     expected = greedy(tiny_model, ids, DynamicCache(config=tiny_model.config), 30)
     page = 2 * 16 * 2 * 16 * 4  # K and V of 16 tokens, 2 KV heads of 16 dims, fp32
@@ -66,6 +85,7 @@ def test_tokens_equal_dynamic_cache_with_pages_on_host_and_disk(
             disk_budget="1MiB",
             policy=policy,
             placement=placement,
+            **options,
         )
         got = greedy(tiny_model, ids, cache, 30)
     assert torch.equal(got, expected)
@@ -78,7 +98,9 @@ def test_tokens_equal_dynamic_cache_with_pages_on_host_and_disk(
     assert stats["bytes_used"]["device"] <= 3 * page
     assert stats["hits"]["disk"] > 0 and stats["fetched_bytes"]["disk"] > 0
     cache.store.check()
-    cache.close()
+    if close:
+        cache.close()
+    return cache
 
 
 def test_a_reset_cache_serves_a_second_prompt_exactly(tiny_model, tmp_path):
@@ -113,6 +135,23 @@ def test_bad_arguments_are_refused_before_anything_is_built(tiny_model, tmp_path
             disk_path=tmp_path / "file",
             disk_budget="1MiB",
         )
+
+
+@pytest.mark.parametrize("workers", [-1, 1.5, True, "2"])
+def test_a_bad_prefetch_worker_count_is_refused_before_the_directory_is_made(
+    tiny_model, tmp_path, workers
+):
+    disk = tmp_path / "pages"
+    with pytest.raises(InvalidArgumentError, match=f"prefetch_workers={workers!r}; expected"):
+        TieredCache(
+            tiny_model.config,
+            device_budget="1MiB",
+            host_budget=0,
+            disk_path=disk,
+            disk_budget="1MiB",
+            prefetch_workers=workers,
+        )
+    assert not disk.exists()
 
 
 def test_budgets_too_small_for_the_sequence_raise_tier_full(tiny_model):

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvstack.errors import InvalidArgumentError, PageCorrupted, TierFull
+from kvstack.errors import InvalidArgumentError, KVStackError, PageCorrupted, TierFull
 from kvstack.tiers import (
     LRU,
     AttentionAware,
@@ -103,25 +103,77 @@ def test_a_damaged_page_file_raises_page_corrupted_naming_the_file(tmp_path, dam
         tier.read("a")
 
 
-# A page written by the previous format (KVSPAGE2: SHA-256), by kvstack before CRC-32 pages:
-# k = arange(8) and v = -arange(8), float32 [2, 1, 4], under the key "L0.b0".
+# Pages written by earlier formats, each by kvstack before the next: KVSPAGE2 (SHA-256) and
+# KVSPAGE3 (zlib's CRC-32): k = arange(8) and v = -arange(8), float32 [2, 1, 4], key "L0.b0".
 PAGE_V2 = Path(__file__).parent / "data" / "page_v2_sha256.page"
+PAGE_V3 = Path(__file__).parent / "data" / "page_v3_crc32.page"
 
 
-def test_a_page_file_is_magic_crc32_and_the_rest_as_the_module_says(tmp_path):
+def test_a_page_file_is_magic_crc32c_and_the_rest_as_the_module_says(tmp_path):
+    import crc32c
+
     tier = DiskTier(tmp_path, 1 << 20)
     tier.write("a", kv_page(1))
     data = tier.file_of("a").read_bytes()
     head = len(disk_module.MAGIC) + disk_module.DIGEST_BYTES
-    assert data[: len(disk_module.MAGIC)] == b"KVSPAGE3"
-    assert int.from_bytes(data[len(disk_module.MAGIC) : head], "little") == zlib.crc32(data[head:])
+    assert data[: len(disk_module.MAGIC)] == b"KVSPAGE4"
+    stored = int.from_bytes(data[len(disk_module.MAGIC) : head], "little")
+    assert stored == crc32c.crc32c(data[head:])
+    assert crc32c.crc32c(b"123456789") == 0xE3069283  # the Castagnoli check value
 
 
-def test_a_page_file_of_the_previous_sha256_format_still_reads(tmp_path):
-    shutil.copy(PAGE_V2, tmp_path / "L0.b0.page")
+@pytest.mark.parametrize("saved", [PAGE_V2, PAGE_V3], ids=["v2_sha256", "v3_crc32"])
+def test_a_page_file_of_an_earlier_format_still_reads(tmp_path, saved):
+    shutil.copy(saved, tmp_path / "L0.b0.page")
     page = DiskTier(tmp_path, 1 << 20).read("L0.b0")
     expected = torch.arange(8, dtype=torch.float32).reshape(2, 1, 4)
     assert same_page(page, {"k": expected, "v": -expected})
+
+
+def test_a_page_file_of_format_3_is_magic_and_zlib_crc32(tmp_path):
+    data = PAGE_V3.read_bytes()
+    head = len(disk_module.CRC32_MAGIC) + disk_module.DIGEST_BYTES
+    assert data[: len(disk_module.CRC32_MAGIC)] == b"KVSPAGE3"
+    assert int.from_bytes(data[len(disk_module.CRC32_MAGIC) : head], "little") == zlib.crc32(
+        data[head:]
+    )
+
+
+def test_without_the_crc32c_package_pages_are_written_in_format_3_and_format_4_is_refused(
+    tmp_path, monkeypatch
+):
+    tier = DiskTier(tmp_path, 1 << 20)
+    tier.write("new", kv_page(1))  # format 4, while crc32c is there
+    monkeypatch.setattr(disk_module, "_crc32c_module", None)
+    monkeypatch.setattr(disk_module, "MAGIC", disk_module.CRC32_MAGIC)  # what import chooses
+    tier.write("old", kv_page(2))
+    assert tier.file_of("old").read_bytes()[:8] == b"KVSPAGE3"
+    assert same_page(tier.read("old"), kv_page(2))
+    with pytest.raises(KVStackError, match="needs the crc32c package"):
+        tier.read("new")
+
+
+def test_a_read_fills_the_buffer_of_a_page_nobody_holds_and_never_one_still_held(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 20)
+    for seed in range(6):
+        tier.write(f"p{seed}", kv_page(seed))
+    held = tier.read("p0")  # kept: its buffer must never be filled again
+    held_pointer = held["k"].data_ptr()
+    for _ in range(3):
+        for seed in range(1, 6):
+            page = tier.read(f"p{seed}")
+            assert same_page(page, kv_page(seed))
+            assert page["k"].data_ptr() != held_pointer
+            del page  # dropped: its buffer is free for the next read
+    assert same_page(held, kv_page(0))
+    assert tier.read_buffers.reused >= 10  # after the first reads, reads reuse buffers
+    # A pool of one buffer's bytes keeps one; reads beyond it allocate and still decode.
+    tier.read_buffers = disk_module.ReadBuffers(max_bytes=len(tier.file_of("p1").read_bytes()))
+    pages = [tier.read(f"p{seed}") for seed in range(1, 6)]  # all held at once
+    assert all(
+        same_page(page, kv_page(seed)) for seed, page in zip(range(1, 6), pages, strict=True)
+    )
+    assert len(tier.read_buffers._pool) == 1
 
 
 def test_a_damaged_page_file_of_the_previous_format_raises_page_corrupted(tmp_path):

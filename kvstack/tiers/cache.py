@@ -331,7 +331,10 @@ class TieredCache(Cache):
     attention): each step attends the device-resident, fetched and recomputed pages as separate
     segments merged by log-sum-exp (AsymCache's multi-segment attention); False, the default,
     gathers them into one K/V for sdpa (faster on CPU today: see the module docstring). Other
-    attentions always get the gathered K/V.
+    attentions always get the gathered K/V. ``prefetch_workers`` threads fetch the next layer's
+    pages while a layer computes; 0 fetches each page on the model's thread when it is read (no
+    overlap; on a CPU with no spare core, a worker competes with the model's thread for the GIL
+    and the core: ``tiers.decode_speed_ratio.device25_fetch_when_read`` measures both).
     """
 
     def __init__(
@@ -380,6 +383,15 @@ class TieredCache(Cache):
             )
         if not isinstance(block_size, int) or block_size <= 0:
             raise InvalidArgumentError(f"block_size={block_size!r}; expected a positive int")
+        if (
+            isinstance(prefetch_workers, bool)
+            or not isinstance(prefetch_workers, int)
+            or prefetch_workers < 0
+        ):  # checked here, before the store makes its directory
+            raise InvalidArgumentError(
+                f"prefetch_workers={prefetch_workers!r}; expected a whole number >= 0 (0: "
+                "fetch each page when it is read, on the model's thread)"
+            )
         if isinstance(policy, str):
             if policy not in RULES:
                 raise InvalidArgumentError(f"policy={policy!r}; expected one of {sorted(RULES)}")

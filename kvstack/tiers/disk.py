@@ -18,13 +18,21 @@ Why each piece:
   directory deletes: a page name always holds a whole page, the last one written under it.
 * **Checksum.** Reading verifies the checksum before any byte becomes a tensor, so a flipped
   bit or a truncated file raises ``PageCorrupted`` instead of feeding wrong K/V to attention;
-  so does a page whose file was deleted behind the tier's back. CRC-32 (zlib's) because the
-  tier guards against accidents, not an adversary (who could rewrite the checksum with the
-  page): it catches every burst of up to 32 flipped bits and any other damage but one in 2^32,
-  at a fraction of a cryptographic hash's cost per byte. That cost is paid per page per step: a
-  decode step re-reads every disk page it attends to, on the prefetch worker, whose time per
-  page is what the model's thread competes with. Files of the previous format (``KVSPAGE2``:
-  SHA-256, 32 bytes) are still read.
+  so does a page whose file was deleted behind the tier's back. A CRC because the tier guards
+  against accidents, not an adversary (who could rewrite the checksum with the page): it
+  catches every burst of up to 32 flipped bits and any other damage but one in 2^32, at a
+  fraction of a cryptographic hash's cost per byte. CRC-32C (Castagnoli, the ``crc32c``
+  package) because x86's SSE 4.2 and ARMv8 compute it in hardware: a 96 KiB page in about 4 µs
+  where zlib's CRC-32 takes 27 µs. That cost is paid per page per step: a decode step re-reads
+  every disk page it attends to, on the prefetch worker, whose time per page is what the
+  model's thread competes with. Files of the earlier formats are still read: ``KVSPAGE3``
+  (zlib's CRC-32, also what a process without the ``crc32c`` package writes) and ``KVSPAGE2``
+  (SHA-256, 32 bytes).
+* **Read buffers are reused.** A disk read fills a buffer that its page's tensors then share.
+  Fresh buffers cost more than the read: the C allocator hands the memory of a step's freed
+  pages back to the kernel, and each new buffer faults its memory in again (a third of a
+  page's read time here). ``ReadBuffers`` keeps the buffers of pages nobody holds any more and
+  fills them again.
 * **Budget.** The tier holds at most ``capacity_bytes`` of page files; a write beyond it, or a
   disk that reports ENOSPC, raises ``TierFull`` and leaves the tier as it was.
 """
@@ -37,22 +45,42 @@ import json
 import os
 import re
 import struct
+import sys
+import threading
 import uuid
 import zlib
+from collections import deque
 from pathlib import Path
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
-from kvstack.errors import InvalidArgumentError, PageCorrupted, TierFull
+from kvstack.errors import InvalidArgumentError, KVStackError, PageCorrupted, TierFull
 
-MAGIC = b"KVSPAGE3"  # 3: CRC-32; 2: SHA-256 (still read); both align tensors to ALIGN bytes
+try:
+    import crc32c as _crc32c_module
+except ImportError:  # a dependency, but an install with --no-deps may lack it: write format 3
+    _crc32c_module = None
+
+CRC32C_MAGIC = b"KVSPAGE4"  # 4: CRC-32C; 3: zlib's CRC-32; 2: SHA-256; all align to ALIGN bytes
+CRC32_MAGIC = b"KVSPAGE3"
 ALIGN = 64
-DIGEST_BYTES = 4  # CRC-32, little endian
+DIGEST_BYTES = 4  # a CRC, little endian (formats 3 and 4)
 # Format 2: SHA-256. Page files written before format 3 are still read; saved records (a
 # conversation's manifest: small, read once per resume) are still written in it.
 SHA256_MAGIC = b"KVSPAGE2"
 SHA256_DIGEST_BYTES = 32
 RECORD_MAGIC, RECORD_DIGEST_BYTES = SHA256_MAGIC, SHA256_DIGEST_BYTES
+
+
+def _crc32c(data) -> bytes:
+    if _crc32c_module is None:
+        raise KVStackError(
+            "this page file's checksum is CRC-32C, which needs the crc32c package (a kvstack "
+            "dependency): pip install crc32c"
+        )
+    return _crc32c_module.crc32c(data).to_bytes(DIGEST_BYTES, "little")
 
 
 def _crc32(data) -> bytes:
@@ -64,7 +92,13 @@ def _sha256(data) -> bytes:
 
 
 # A page file's magic -> (its checksum's bytes, the function that computes it).
-PAGE_FORMATS = {MAGIC: (DIGEST_BYTES, _crc32), SHA256_MAGIC: (SHA256_DIGEST_BYTES, _sha256)}
+PAGE_FORMATS = {
+    CRC32C_MAGIC: (DIGEST_BYTES, _crc32c),
+    CRC32_MAGIC: (DIGEST_BYTES, _crc32),
+    SHA256_MAGIC: (SHA256_DIGEST_BYTES, _sha256),
+}
+# The format pages are written in: CRC-32C where the crc32c package is there.
+MAGIC = CRC32C_MAGIC if _crc32c_module is not None else CRC32_MAGIC
 PAGE_SUFFIX = ".page"
 TEMP_SUFFIX = ".tmp"
 # Page keys become file names: letters, digits, '_', '-', '.'; no leading dot (temporary files
@@ -107,7 +141,7 @@ def encode_page(key: str, page: Page) -> bytes:
     header = json.dumps({"key": key, "tensors": tensors}).encode()
     header += b" " * _padding(len(MAGIC) + DIGEST_BYTES + 8 + len(header))  # JSON ignores it
     body = struct.pack("<Q", len(header)) + header + b"".join(payload)
-    return MAGIC + _crc32(body) + body
+    return MAGIC + PAGE_FORMATS[MAGIC][1](body) + body
 
 
 def _padding(nbytes: int) -> int:
@@ -134,7 +168,7 @@ def decode_page(data: bytes | bytearray, source: str) -> tuple[str, Page]:
         )
     (header_len,) = struct.unpack_from("<Q", buffer, head)
     offset = head + 8
-    header = json.loads(bytes(view[offset : offset + header_len]))
+    header = _parsed_header(bytes(view[offset : offset + header_len]))
     offset += header_len
     page: Page = {}
     for spec in header["tensors"]:
@@ -142,12 +176,105 @@ def decode_page(data: bytes | bytearray, source: str) -> tuple[str, Page]:
         if not spec["nbytes"]:  # frombuffer refuses an empty buffer
             page[spec["name"]] = torch.empty(spec["shape"], dtype=dtype)
             continue
-        flat = torch.frombuffer(
-            buffer, dtype=dtype, offset=offset, count=spec["nbytes"] // dtype.itemsize
-        )  # [numel]: the offset is a multiple of ALIGN, so the load is aligned
+        count = spec["nbytes"] // dtype.itemsize  # the offset is a multiple of ALIGN: aligned
+        page[spec["name"]] = _tensor_in(buffer, dtype, offset, count, spec["shape"])
         offset += spec["nbytes"] + _padding(spec["nbytes"])
-        page[spec["name"]] = flat.view(spec["shape"])  # [numel] -> shape
     return header["key"], page
+
+
+# A page header's bytes -> its parsed JSON: a decode step re-reads the same pages, and parsing
+# their headers again was a tenth of a page's read on the prefetch worker. Emptied when full.
+_HEADERS: dict[bytes, dict] = {}
+_HEADERS_KEPT = 8192
+
+
+def _parsed_header(header: bytes) -> dict:
+    parsed = _HEADERS.get(header)
+    if parsed is None:
+        parsed = json.loads(header)
+        if len(_HEADERS) >= _HEADERS_KEPT:
+            _HEADERS.clear()
+        _HEADERS[header] = parsed
+    return parsed
+
+
+# torch dtype -> the numpy dtype of the same bytes (bfloat16 and the float8s have none).
+_NUMPY_DTYPES = {
+    torch.float64: np.float64,
+    torch.float32: np.float32,
+    torch.float16: np.float16,
+    torch.int64: np.int64,
+    torch.int32: np.int32,
+    torch.int16: np.int16,
+    torch.int8: np.int8,
+    torch.uint8: np.uint8,
+    torch.bool: np.bool_,
+}
+
+
+def _tensor_in(
+    buffer: bytearray, dtype: torch.dtype, offset: int, count: int, shape: list[int]
+) -> torch.Tensor:
+    """The tensor of ``count`` ``dtype`` values at ``offset`` in ``buffer``, shaped ``shape``,
+    sharing its memory. Through numpy where it has the dtype: numpy's frombuffer and reshape
+    keep the GIL and take about a microsecond each, while torch's frombuffer and view each let
+    go of it and take it back, and on the prefetch worker each taking back waits for the
+    model's thread, which then waits for the worker (half the worker's time per page went
+    there)."""
+    numpy_dtype = _NUMPY_DTYPES.get(dtype)
+    if numpy_dtype is None:
+        flat = torch.frombuffer(buffer, dtype=dtype, offset=offset, count=count)  # [numel]
+        return flat.view(shape)  # [numel] -> shape
+    return torch.from_numpy(np.frombuffer(buffer, numpy_dtype, count, offset).reshape(shape))
+
+
+def _references_of_a_pooled_buffer() -> int:
+    """What ``sys.getrefcount`` reports, in ``ReadBuffers.take``, for a buffer that only the pool
+    refers to (the deque, the local name, the call's argument: 3 on CPython 3.11), measured the
+    way ``take`` looks, so an interpreter that counts stack references differently agrees."""
+    pool = deque([bytearray(1)])
+    buffer = pool[0]
+    return sys.getrefcount(buffer)
+
+
+_POOLED_ONLY = _references_of_a_pooled_buffer()
+
+
+class ReadBuffers:
+    """Buffers for page reads, each filled again once no page's tensors share it.
+
+    ``torch.frombuffer`` tensors hold a reference to the buffer they share (through the buffer
+    protocol) until their storage is freed, so a buffer that only this pool refers to is one no
+    page uses: CPython's reference count says so exactly. Pages are read and dropped in about
+    the order of their reads (a layer at a time), so the oldest buffers are checked first and
+    only a few: a read never scans the pool. At most ``max_bytes`` are kept; a read that finds
+    no free buffer of its size allocates one (and keeps it while there is room). Thread-safe:
+    the prefetch worker and the model's thread both read pages."""
+
+    CHECKED = 4  # the oldest buffers looked at per read
+
+    def __init__(self, max_bytes: int = 16 << 20) -> None:
+        self.max_bytes = max_bytes
+        self._pool: deque[bytearray] = deque()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.reused = 0  # reads that filled a pooled buffer again (for tests and accounting)
+
+    def take(self, nbytes: int) -> bytearray:
+        """A buffer of ``nbytes`` that no page's tensors share (its bytes are stale)."""
+        with self._lock:
+            for _ in range(min(self.CHECKED, len(self._pool))):
+                buffer = self._pool[0]
+                self._pool.rotate(-1)  # checked: to the back, behind the younger ones
+                if len(buffer) == nbytes and sys.getrefcount(buffer) == _POOLED_ONLY:
+                    self.reused += 1
+                    return buffer
+                del buffer
+            buffer = bytearray(nbytes)
+            if self._bytes + nbytes <= self.max_bytes:
+                self._pool.append(buffer)
+                self._bytes += nbytes
+            return buffer
 
 
 def _writer_alive(temp_name: str) -> bool:
@@ -175,6 +302,14 @@ def _write_all(handle, data: bytes) -> None:
     handle.write(data)
     handle.flush()
     os.fsync(handle.fileno())
+
+
+class OpenedPage(NamedTuple):
+    """A page file opened for reading (``DiskTier.open``)."""
+
+    handle: Any  # the file, unbuffered
+    nbytes: int  # the bytes the tier wrote to it
+    source: str  # its path, for errors
 
 
 class DiskTier:
@@ -205,6 +340,7 @@ class DiskTier:
         self.path = directory
         self._directory = str(directory)  # for page reads: os.path.join is cheaper than Path
         self.capacity_bytes = capacity_bytes
+        self.read_buffers = ReadBuffers()
         self._sizes: dict[str, int] = {}  # key -> bytes of its file
         for entry in directory.iterdir():
             if entry.name.startswith(".") and entry.name.endswith(TEMP_SUFFIX):
@@ -314,22 +450,28 @@ class DiskTier:
         """The page under ``key``, checked against its checksum (``PageCorrupted`` if not)."""
         return self.read_opened(key, self.open(key))
 
-    def open(self, key: str):
-        """An open handle on ``key``'s file: the cheap step a caller does under its lock. The
-        file stays readable through the handle even if the page is deleted or replaced after."""
-        if key not in self._sizes:
+    def open(self, key: str) -> OpenedPage:
+        """An open handle on ``key``'s file, with the bytes the tier wrote there: the cheap step
+        a caller does under its lock. The file stays readable through the handle even if the
+        page is deleted or replaced after."""
+        nbytes = self._sizes.get(key)
+        if nbytes is None:
             raise KeyError(f"page {key!r} is not on the disk tier {str(self.path)!r}")
+        source = os.path.join(self._directory, key + PAGE_SUFFIX)  # cheaper than a Path
         try:
-            return open(os.path.join(self._directory, key + PAGE_SUFFIX), "rb", buffering=0)
+            return OpenedPage(open(source, "rb", buffering=0), nbytes, source)
         except FileNotFoundError as error:
             # Deleted behind the tier's back (a cleaner, a user): the page is lost exactly as a
             # damaged one is, and lossless callers recompute it the same way.
-            raise PageCorrupted(f"{self.file_of(key)}: the page file is missing") from error
+            raise PageCorrupted(f"{source}: the page file is missing") from error
 
-    def read_opened(self, key: str, handle) -> Page:
-        """Read, check and decode the page from ``handle`` (``open(key)``), closing it."""
-        with handle:
-            data = bytearray(os.fstat(handle.fileno()).st_size)  # read once, decoded in place
+    def read_opened(self, key: str, opened: OpenedPage) -> Page:
+        """Read, check and decode the page ``open(key)`` opened, closing its handle. The size is
+        the one the tier wrote (no fstat: one system call less, and each call lets go of the
+        GIL and waits to take it back); a file changed behind the tier's back reads short or
+        long and fails the checksum."""
+        with opened.handle as handle:
+            data = self.read_buffers.take(opened.nbytes)  # decoded in place
             view, done = memoryview(data), 0
             while done < len(data):  # one readinto returns at most ~2 GiB
                 count = handle.readinto(view[done:])
@@ -337,11 +479,11 @@ class DiskTier:
                     break
                 done += count
             del view
-            del data[done:]  # a file that shrank meanwhile fails the checks below
-        source = os.path.join(self._directory, key + PAGE_SUFFIX)  # cheaper than a Path
-        stored_key, page = decode_page(data, source)
+            if done < len(data):  # a file that shrank meanwhile fails the checks below
+                data = bytearray(data[:done])  # (the pooled buffer keeps its size)
+        stored_key, page = decode_page(data, opened.source)
         if stored_key != key:
-            raise PageCorrupted(f"{source}: holds page {stored_key!r}, expected {key!r}")
+            raise PageCorrupted(f"{opened.source}: holds page {stored_key!r}, expected {key!r}")
         return page
 
     def delete(self, key: str) -> None:

@@ -23,15 +23,27 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
+from kvstack.errors import InvalidArgumentError
 from kvstack.tiers.disk import Page, page_nbytes
 from kvstack.tiers.store import TieredStore
 
 
 class Prefetcher:
+    """``workers`` threads fetch ahead; with ``workers=0`` nothing is fetched ahead: each page is
+    fetched by the thread that takes it, when it takes it (no overlap, and no second thread
+    competing with the model's for the GIL and the core)."""
+
     def __init__(self, store: TieredStore, device: str | torch.device, workers: int = 1) -> None:
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+            raise InvalidArgumentError(
+                f"prefetch workers={workers!r}; expected a whole number >= 0 (0: fetch each page "
+                "when it is read, on the thread that reads it)"
+            )
         self.store = store
         self.device = torch.device(device)
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvstack-prefetch")
+        self._pool = (
+            ThreadPoolExecutor(workers, thread_name_prefix="kvstack-prefetch") if workers else None
+        )
         self._pending: dict[str, Future] = {}
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.transfer_seconds = 0.0
@@ -42,6 +54,8 @@ class Prefetcher:
         """Start fetching ``keys`` on a worker, in this order: those not already pending and not
         on the device (``take_all`` reads those in place; one demoted meanwhile is fetched by
         ``take`` when it is read)."""
+        if self._pool is None:  # no workers: take fetches each page when it is read
+            return
         resident = self.store.device_pages(keys)
         batch = []
         for key in keys:
@@ -144,4 +158,5 @@ class Prefetcher:
 
     def close(self) -> None:
         self.drain()
-        self._pool.shutdown(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
