@@ -27,6 +27,7 @@ from kvstack.tiers import (
     CostAware,
     DiskTier,
     PageInfo,
+    Prefetcher,
     TieredStore,
     decode_page,
     encode_page,
@@ -70,6 +71,40 @@ def test_a_page_file_round_trips_bit_for_bit(shapes, dtype, seed):
     }
     key, back = decode_page(encode_page("p0", page), "memory")
     assert key == "p0" and same_page(page, back)
+
+
+@settings(deadline=None, max_examples=25)
+@given(
+    dtypes=st.lists(st.sampled_from(DTYPES), min_size=1, max_size=4),
+    reads=st.lists(st.tuples(st.integers(0, 3), st.booleans()), min_size=1, max_size=30),
+)
+def test_reads_that_reuse_buffers_equal_what_was_written_and_never_change_a_held_page(
+    tmp_path_factory, dtypes, reads
+):
+    """The disk tier's read path with ``ReadBuffers`` (buffers filled again once no page holds
+    them) against the pages as written: any order of reads, any pages kept or dropped, pages of
+    every dtype (numpy-backed, and torch-backed for bfloat16) and of equal sizes (so buffers
+    are shared between keys)."""
+    tier = DiskTier(tmp_path_factory.mktemp("pages"), 1 << 20)
+    written = {f"p{i}": kv_page(i, dtype=dtype) for i, dtype in enumerate(dtypes)}
+    for key, page in written.items():
+        tier.write(key, page)
+    held = []
+    for index, keep in reads:
+        key = f"p{index % len(dtypes)}"
+        page = tier.read(key)
+        assert same_page(page, written[key])
+        if keep:
+            held.append((key, page))
+        for held_key, held_page in held:  # a later read never wrote into a held page
+            assert same_page(held_page, written[held_key])
+
+
+def test_a_prefetcher_refuses_a_bad_worker_count():
+    store = TieredStore(device_bytes=1 << 20, host_bytes=0)
+    for workers in (-1, 1.5, True):
+        with pytest.raises(InvalidArgumentError, match=f"workers={workers!r}; expected"):
+            Prefetcher(store, "cpu", workers=workers)
 
 
 def test_a_disk_tier_reads_back_what_it_wrote_and_a_new_one_finds_it(tmp_path):
