@@ -490,6 +490,7 @@ def _summary(state: dict[str, Any]) -> dict[str, Any]:
             "bytes_used": stats["bytes_used"],
             "peak_layer_page_bytes": stats["peak_layer_page_bytes"],
             "tail_bytes": stats["tail_bytes"],
+            "disk_read_buffer_bytes": stats["disk_read_buffer_bytes"],
             "device_attention_share": stats["device_attention_share"],
         }
     return summary
@@ -659,6 +660,12 @@ def readme_tables(results: dict) -> dict[str, str]:
         + ", ".join(f"{name} {format_value(v, 'tok/s')}" for name, v in speeds.items())
         + f". Next turn: {w['next_turn_tokens']} tokens."
     )
+    read_buffers = w.get("runs", {}).get("device25_cost", {}).get("disk_read_buffer_bytes")
+    if read_buffers is not None:
+        workload += (
+            " The disk tier's read buffers, host memory outside the tier budgets, held "
+            f"{format_value(read_buffers / 2**20, 'MiB')} MiB at the end of the device25 run."
+        )
     if "overflow_decode_tokens" in w:
         workload += (
             f" Recompute runs: the same prompt, {w['overflow_decode_tokens']} decode steps, a "

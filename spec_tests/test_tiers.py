@@ -211,6 +211,25 @@ def test_a_read_fills_the_buffer_of_a_page_nobody_holds_and_never_one_still_held
     assert len(tier.read_buffers._pool) == 1
 
 
+def test_the_store_reports_the_host_bytes_its_disk_reads_keep_outside_the_budgets(tmp_path):
+    store = TieredStore(device_bytes=1 << 20, host_bytes=0, disk_path=tmp_path, disk_bytes=1 << 20)
+    assert store.stats()["disk_read_buffer_bytes"] == 0  # nothing read yet
+    for seed in range(4):
+        store.put(f"p{seed}", kv_page(seed), tier="disk")
+    held = [store.peek(f"p{seed}")[0] for seed in range(4)]  # four buffers, all in use
+    file_bytes = sum(store.disk.file_of(f"p{seed}").stat().st_size for seed in range(4))
+    assert store.stats()["disk_read_buffer_bytes"] == file_bytes  # each buffer holds a file
+    del held
+    for seed in range(4):
+        store.peek(f"p{seed}")  # read again into the same buffers: nothing more is kept
+    assert store.stats()["disk_read_buffer_bytes"] == file_bytes
+    store.disk.read_buffers = disk_module.ReadBuffers(max_bytes=file_bytes // 2)
+    pages = [store.peek(f"p{seed}")[0] for seed in range(4)]  # held at once, beyond the pool
+    assert store.stats()["disk_read_buffer_bytes"] <= file_bytes // 2
+    assert all(same_page(page, kv_page(seed)) for seed, page in enumerate(pages))
+    assert TieredStore(device_bytes=1 << 20, host_bytes=0).stats()["disk_read_buffer_bytes"] == 0
+
+
 def test_a_damaged_page_file_of_the_previous_format_raises_page_corrupted(tmp_path):
     data = bytearray(PAGE_V2.read_bytes())
     data[-33] ^= 0x04  # a bit of v's last value (the file ends with 32 bytes of padding)

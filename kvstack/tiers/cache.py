@@ -86,7 +86,7 @@ from kvstack.errors import InvalidArgumentError, KVStackError, PageCorrupted, Ti
 from kvstack.tiers import attention as tiers_attention
 from kvstack.tiers.disk import Page, page_nbytes
 from kvstack.tiers.eviction import RULES, EvictionRule
-from kvstack.tiers.prefetch import Prefetcher
+from kvstack.tiers.prefetch import Prefetcher, check_worker_count
 from kvstack.tiers.store import TieredStore
 
 # The layer transformers gives a layer without attention or state (NemotronH's MLP layers);
@@ -383,15 +383,7 @@ class TieredCache(Cache):
             )
         if not isinstance(block_size, int) or block_size <= 0:
             raise InvalidArgumentError(f"block_size={block_size!r}; expected a positive int")
-        if (
-            isinstance(prefetch_workers, bool)
-            or not isinstance(prefetch_workers, int)
-            or prefetch_workers < 0
-        ):  # checked here, before the store makes its directory
-            raise InvalidArgumentError(
-                f"prefetch_workers={prefetch_workers!r}; expected a whole number >= 0 (0: "
-                "fetch each page when it is read, on the model's thread)"
-            )
+        check_worker_count(prefetch_workers, "prefetch_workers")  # before the store's directory
         if isinstance(policy, str):
             if policy not in RULES:
                 raise InvalidArgumentError(f"policy={policy!r}; expected one of {sorted(RULES)}")

@@ -243,13 +243,19 @@ _POOLED_ONLY = _references_of_a_pooled_buffer()
 class ReadBuffers:
     """Buffers for page reads, each filled again once no page's tensors share it.
 
-    ``torch.frombuffer`` tensors hold a reference to the buffer they share (through the buffer
-    protocol) until their storage is freed, so a buffer that only this pool refers to is one no
-    page uses: CPython's reference count says so exactly. Pages are read and dropped in about
+    A page's tensors share its buffer: ``_tensor_in`` makes them through numpy's
+    ``frombuffer`` (or ``torch.frombuffer`` for dtypes numpy lacks, such as bfloat16), and
+    either holds a reference to the buffer (through the buffer protocol) until the tensor's
+    storage is freed. So a buffer that only this pool refers to is one no page uses: CPython's
+    reference count says so exactly. Pages are read and dropped in about
     the order of their reads (a layer at a time), so the oldest buffers are checked first and
     only a few: a read never scans the pool. At most ``max_bytes`` are kept; a read that finds
     no free buffer of its size allocates one (and keeps it while there is room). Thread-safe:
-    the prefetch worker and the model's thread both read pages."""
+    the prefetch worker and the model's thread both read pages.
+
+    The pool is host memory outside every tier's budget: ``held_bytes`` (at most ``max_bytes``)
+    is reported in the store's ``stats()`` as ``disk_read_buffer_bytes``. Buffers that pages
+    still share are counted there too; they hold those pages' K/V while attention reads it."""
 
     CHECKED = 4  # the oldest buffers looked at per read
 
@@ -259,6 +265,11 @@ class ReadBuffers:
         self._bytes = 0
         self._lock = threading.Lock()
         self.reused = 0  # reads that filled a pooled buffer again (for tests and accounting)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the buffers the pool keeps (free or shared by pages' tensors)."""
+        return self._bytes
 
     def take(self, nbytes: int) -> bytearray:
         """A buffer of ``nbytes`` that no page's tensors share (its bytes are stale)."""

@@ -28,17 +28,22 @@ from kvstack.tiers.disk import Page, page_nbytes
 from kvstack.tiers.store import TieredStore
 
 
+def check_worker_count(workers: object, name: str) -> None:
+    """Raise unless ``workers`` (the argument called ``name``) is a whole number >= 0."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+        raise InvalidArgumentError(
+            f"{name}={workers!r}; expected a whole number >= 0 (0: fetch each page when it is "
+            "read, on the thread that reads it)"
+        )
+
+
 class Prefetcher:
     """``workers`` threads fetch ahead; with ``workers=0`` nothing is fetched ahead: each page is
     fetched by the thread that takes it, when it takes it (no overlap, and no second thread
     competing with the model's for the GIL and the core)."""
 
     def __init__(self, store: TieredStore, device: str | torch.device, workers: int = 1) -> None:
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
-            raise InvalidArgumentError(
-                f"prefetch workers={workers!r}; expected a whole number >= 0 (0: fetch each page "
-                "when it is read, on the thread that reads it)"
-            )
+        check_worker_count(workers, "workers")
         self.store = store
         self.device = torch.device(device)
         self._pool = (

@@ -127,6 +127,10 @@ class TieredStore:
             "hits": {t: self.hits[t] for t in TIERS},
             "pages_dropped": len(self.dropped),
             "drops": self.drops,
+            # Host memory the disk tier keeps for its reads, outside every tier's budget.
+            "disk_read_buffer_bytes": (
+                self.disk.read_buffers.held_bytes if self.disk is not None else 0
+            ),
         }
 
     # ------------------------------------------------------------------ writes
