@@ -530,6 +530,44 @@ def test_a_save_that_fails_before_its_manifest_leaves_the_previous_save_in_force
     resumed.close()
 
 
+def test_a_resumed_save_stays_whole_when_placement_moves_its_pages_up(tiny_model, tmp_path):
+    """A resumed conversation's pages are homed on disk; the next turn's prefill places the
+    most attended ones on device and host. Their files stay, as copies (the save in force
+    names them): a second process resumes the same save with the same tokens."""
+    disk_path, first = first_turn_in_another_process(tiny_model, tmp_path)
+    ids = torch.cat(
+        [first, torch.randint(1, 256, (1, 15), generator=torch.Generator().manual_seed(7))], 1
+    )
+    expected = greedy(tiny_model, ids, DynamicCache(config=tiny_model.config), 6)
+    saved = {path.name for path in disk_path.glob("*.page")}
+    with tiers_attention(tiny_model):
+        cache = TieredCache.resume(
+            tiny_model.config, disk_path=disk_path, token_ids=ids, placement="attention", **BUDGETS
+        )
+        assert cache.store.keep_on_disk == {name.removesuffix(".page") for name in saved}
+        assert torch.equal(greedy(tiny_model, ids, cache, 6), expected)
+    moved_up = [k for k in cache.store.keep_on_disk if cache.store.pages[k].home != "disk"]
+    assert moved_up  # placement moved saved pages up; each kept its file
+    assert all("disk" in cache.store.tiers_of(k) for k in moved_up)
+    cache.store.check()
+    cache.prefetcher.close()  # the process is gone; its page files stay
+    assert saved <= {path.name for path in disk_path.glob("*.page")}
+    again = TieredCache.resume(tiny_model.config, disk_path=disk_path, token_ids=ids, **BUDGETS)
+    assert torch.equal(greedy(tiny_model, ids, again, 6), expected)
+    again.reset()
+    assert again.store.keep_on_disk == set()  # reset deletes the save in force
+    again.close()
+
+
+def test_resume_raises_page_corrupted_for_a_saved_page_whose_file_is_gone(tiny_model, tmp_path):
+    from kvstack.errors import PageCorrupted
+
+    disk_path, first = first_turn_in_another_process(tiny_model, tmp_path)
+    (disk_path / "L1.B0.page").unlink()
+    with pytest.raises(PageCorrupted, match="'L1.B0' of the conversation saved in .* no file"):
+        TieredCache.resume(tiny_model.config, disk_path=disk_path, token_ids=first, **BUDGETS)
+
+
 def test_resume_refuses_an_unknown_damage_mode(tiny_model, tmp_path):
     with pytest.raises(InvalidArgumentError, match="damaged='ignore'; expected 'raise' or"):
         TieredCache.resume(
@@ -575,6 +613,33 @@ def test_placement_at_prefill_puts_the_most_attended_pages_on_device_then_host(
     ranked = sorted(pages, key=lambda k: (-pages[k].attention, k))
     assert [pages[k].home for k in ranked] == ["device"] * 4 + ["host"] * 5 + ["disk"] * (
         len(ranked) - 9
+    )
+    cache.store.check()
+    cache.close()
+
+
+def test_a_reset_after_a_prefill_that_failed_part_way_serves_a_shorter_prompt(tiny_model):
+    """Placement by attention collects each layer's page scores until the last layer; a
+    prefill that stops at layer 1 (the tiers are full) leaves layer 0's, which reset() clears:
+    the next prompt is placed by its own scores and makes DynamicCache's tokens."""
+    from kvstack.errors import TierFull
+
+    page = 2 * 16 * 2 * 16 * 4
+    long_ids = torch.randint(1, 256, (1, 120), generator=torch.Generator().manual_seed(6))
+    short_ids = torch.randint(1, 256, (1, 40), generator=torch.Generator().manual_seed(7))
+    with tiers_attention(tiny_model):
+        cache = TieredCache(
+            tiny_model.config,
+            device_budget=4 * page,
+            host_budget=4 * page,
+            placement="attention",
+        )
+        with pytest.raises(TierFull):
+            greedy(tiny_model, long_ids, cache, 1)  # 7 pages a layer: layer 1 finds no room
+        cache.reset()
+        got = greedy(tiny_model, short_ids, cache, 6)
+    assert torch.equal(
+        got, greedy(tiny_model, short_ids, DynamicCache(config=tiny_model.config), 6)
     )
     cache.store.check()
     cache.close()

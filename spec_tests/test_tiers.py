@@ -34,6 +34,7 @@ from kvstack.tiers import (
     page_nbytes,
 )
 from kvstack.tiers import disk as disk_module
+from kvstack.tiers.eviction import TIERS
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool)
 
@@ -349,6 +350,10 @@ def test_budgets_that_cannot_hold_one_page_are_refused(tmp_path):
         TieredStore(device_bytes=-1, host_bytes=0)
     with pytest.raises(InvalidArgumentError, match="disk_bytes=100 needs a disk_path"):
         TieredStore(device_bytes=100, host_bytes=0, disk_bytes=100)
+    with pytest.raises(InvalidArgumentError, match="host_bytes=True; expected a non-negative"):
+        TieredStore(device_bytes=100, host_bytes=True)
+    with pytest.raises(InvalidArgumentError, match="capacity_bytes=True; expected a positive"):
+        DiskTier(tmp_path, True)
 
 
 def test_a_full_device_tier_demotes_the_least_recently_used_page_whole(tmp_path):
@@ -462,11 +467,13 @@ def test_the_attention_and_cost_rules_rank_as_their_papers_say():
 
 # --------------------------------------------------------------------------- stateful
 class TieredStoreMachine(RuleBasedStateMachine):
-    """Random puts, reads, prefetches, moves, deletes and rule changes on small budgets, against
-    a dict of what each key should hold: every read returns its page bit for bit, and
+    """Random puts (pages of two sizes), reads, copies, moves, promotions, placements, deletes
+    and pages kept on disk for a save, under each eviction rule, on small budgets, against a
+    dict of what each key should hold: every read returns its page bit for bit, and
     ``TieredStore.check`` holds after every step (including steps that raise ``TierFull``).
     With ``may_drop`` (lossless recompute), a full disk drops KV pages, never others, and a
-    dropped page is named in ``dropped`` until it is deleted; without it nothing is dropped."""
+    dropped page is named in ``dropped`` until it is deleted; without it nothing is dropped.
+    A page kept on disk keeps its file until it is deleted."""
 
     @initialize(rule_name=st.sampled_from(["lru", "attention", "cost"]), may_drop=st.booleans())
     def start(self, rule_name, may_drop):
@@ -500,9 +507,10 @@ class TieredStoreMachine(RuleBasedStateMachine):
     def teardown(self):
         self.directory.cleanup()
 
-    @rule(tier=st.sampled_from(["device", "host", "disk"]), kv=st.booleans())
-    def put(self, tier, kv):
-        key, page = f"p{self.next_seed:02d}", kv_page(self.next_seed)
+    @rule(tier=st.sampled_from(["device", "host", "disk"]), kv=st.booleans(), long=st.booleans())
+    def put(self, tier, kv, long):
+        # Pages of 4 and 8 tokens: a page's room-making can then move pages of another size.
+        key, page = f"p{self.next_seed:02d}", kv_page(self.next_seed, tokens=8 if long else 4)
         self.next_seed += 1
         try:
             self.store.put(
@@ -533,9 +541,40 @@ class TieredStoreMachine(RuleBasedStateMachine):
         try:
             (self.store.copy if as_copy else self.store.move)(key, tier)
         except TierFull:
-            assert key in self.store.pages and home in self.store.tiers_of(key)
+            # Never lost or dropped: whole at its home, or lower if making room for its own
+            # copy demoted it (what is demoted on the way stays demoted).
+            info = self.store.pages[key]
+            assert TIERS.index(info.home) >= TIERS.index(home)
+            assert same_page(self.store.peek(key)[0], self.model[key])
         finally:
             self.sync_dropped()
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def promote(self, data):
+        key = data.draw(st.sampled_from(sorted(self.model)))
+        home = self.store.pages[key].home
+        page, _ = self.store.peek(key)
+        new_home = self.store.promote(key, page)
+        assert self.store.pages[key].home == (new_home or home)
+        if new_home is not None:
+            assert TIERS.index(new_home) < TIERS.index(home)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def place(self, data):
+        ranked = data.draw(st.permutations(sorted(self.model)))
+        try:
+            self.store.place(list(ranked))
+        finally:
+            self.sync_dropped()
+
+    @rule(data=st.data())
+    def keep_on_disk(self, data):
+        """What a save does: name pages whose disk files must stay."""
+        on_disk = sorted(k for k in self.model if "disk" in self.store.tiers_of(k))
+        kept = data.draw(st.lists(st.sampled_from(on_disk), unique=True)) if on_disk else []
+        self.store.keep_on_disk = set(kept)
 
     @precondition(lambda self: self.model)
     @rule(data=st.data(), mass=st.floats(0, 1))
@@ -563,6 +602,8 @@ class TieredStoreMachine(RuleBasedStateMachine):
             assert set(self.store.pages) == set(self.model)
             assert set(self.store.dropped) == self.dropped <= self.kv_pages
             assert self.store.may_drop or not self.dropped
+            for key in self.store.keep_on_disk:
+                assert key in self.store.pages and "disk" in self.store.tiers_of(key), key
 
 
 TestTieredStoreMachine = TieredStoreMachine.TestCase
@@ -601,8 +642,8 @@ def test_a_prefetched_page_is_taken_only_once_its_copy_completed_and_hides_its_t
     assert prefetcher.stall_seconds >= 0.2  # p0's wait
     # "Compute" until p1 and p2 have arrived: however long the worker takes on a loaded
     # machine, a fixed sleep could end first and count its wait as a stall.
-    arrivals = [prefetcher._pending[key] for key in ("p1", "p2")]
-    assert all(future.result(timeout=10) for future in arrivals)
+    for key in ("p1", "p2"):
+        prefetcher._pending[key].result(timeout=10)  # waits; raises if the fetch failed
     stall, transfer = prefetcher.stall_seconds, prefetcher.transfer_seconds
     for key in ("p1", "p2"):
         assert same_page(prefetcher.take(key)[0], pages[key])
@@ -613,6 +654,84 @@ def test_a_prefetched_page_is_taken_only_once_its_copy_completed_and_hides_its_t
     assert prefetcher.bytes_fetched["disk"] == 3 * page_nbytes(pages["p0"])
     assert 0.0 < prefetcher.overlap_fraction < 1.0
     prefetcher.close()
+
+
+def test_a_page_demoted_while_room_is_made_for_its_own_copy_is_never_dropped(tmp_path):
+    """Pages of two sizes on small tiers (the case the state machine found): moving p02 to the
+    device demotes pages down to a full disk, which the cost rule empties by dropping KV pages;
+    room made for p02's own copy demotes p02 too, and it must not be dropped meanwhile (its
+    bytes would land on the device under no name)."""
+    size = page_nbytes(kv_page(0))
+    store = TieredStore(
+        device_bytes=2 * size,
+        host_bytes=3 * size,
+        disk_path=tmp_path,
+        disk_bytes=4 * len(encode_page("p00", kv_page(0))),
+        rule=CostAware(),
+        min_page_bytes=size,
+        may_drop=True,
+    )
+    store.put("p00", kv_page(0, tokens=8), tier="device", position=16, tokens=0)
+    store.put("p01", kv_page(1, tokens=8), tier="device", position=32, tokens=0)
+    store.put("p02", kv_page(2, tokens=4), tier="device", position=48, tokens=4)
+    store.put("p03", kv_page(3, tokens=8), tier="device", position=64, tokens=0)
+    try:
+        store.move("p02", "device")
+    except TierFull:
+        pass
+    store.check()
+    assert "p02" in store.pages or "p02" in store.dropped
+
+
+def test_disk_copies_a_save_keeps_are_not_dropped_to_make_room(tmp_path):
+    """Pages a save names live on device, their files on disk as copies: a full disk raises
+    TierFull rather than drop those copies (without the keep, they go first)."""
+    size = page_nbytes(kv_page(0))
+    file_size = len(encode_page("p0", kv_page(0)))
+    for keep in (False, True):
+        directory = tmp_path / f"keep{keep}"
+        store = TieredStore(
+            device_bytes=4 * size, host_bytes=0, disk_path=directory, disk_bytes=3 * file_size
+        )
+        for i in range(2):
+            store.put(f"p{i}", kv_page(i), tier="device")
+            store.copy(f"p{i}", "disk")
+        if keep:
+            store.keep_on_disk = {"p0", "p1"}
+        store.put("n0", kv_page(5), tier="disk")  # the disk is full now
+        if keep:
+            with pytest.raises(TierFull, match="disk tier"):
+                store.put("n1", kv_page(6), tier="disk")
+            assert "n1" not in store.pages
+            assert all(store.tiers_of(f"p{i}") == ["device", "disk"] for i in range(2))
+        else:
+            store.put("n1", kv_page(6), tier="disk")
+            assert any(store.tiers_of(f"p{i}") == ["device"] for i in range(2))
+        store.check()
+
+
+def test_a_page_adopted_with_a_wrong_size_is_counted_at_its_real_bytes(tmp_path):
+    """A resumed page is named with its size from the saved geometry; if its tensors are
+    bigger (another dtype), promotion and moves count what the tensors hold, so the device
+    tier never goes over its budget and its bytes come back exactly."""
+    size = page_nbytes(kv_page(0))
+    TieredStore(device_bytes=0, host_bytes=0, disk_path=tmp_path, disk_bytes=1 << 20).put(
+        "old", kv_page(0), tier="disk"
+    )  # written by an earlier process
+    store = TieredStore(
+        device_bytes=size + size // 2, host_bytes=0, disk_path=tmp_path, disk_bytes=1 << 20
+    )
+    store.put("busy", kv_page(1), tier="device")  # half a page free
+    store.adopt_disk_page("old", size // 2)  # the estimate: half its real bytes
+    page, tier = store.peek("old")
+    assert tier == "disk" and store.promote("old", page) is None  # no room for its real bytes
+    store.check()
+    store.move("old", "device")  # makes room for its real bytes: "busy" goes to disk
+    store.check()
+    assert store.bytes_used("device") == size <= store.capacity["device"]
+    store.move("old", "disk")
+    assert store.bytes_used("device") == 0
+    store.check()
 
 
 def test_a_host_tier_that_is_off_sends_demoted_pages_to_disk(tmp_path):
@@ -633,6 +752,25 @@ def test_a_page_that_is_no_dict_of_tensors_is_refused_and_nothing_changes(page):
         store.put("b", page)
     assert list(store.pages) == ["a"]
     store.check()
+
+
+@pytest.mark.parametrize("argument,value", [("position", -1), ("tokens", -4), ("tokens", 1.5)])
+def test_a_negative_or_fractional_page_position_or_token_count_is_refused(argument, value):
+    store = TieredStore(device_bytes=1 << 20, host_bytes=0)
+    with pytest.raises(InvalidArgumentError, match=f"{argument}={value!r}; expected a whole"):
+        store.put("a", kv_page(0), **{argument: value})
+    assert not store.pages
+    store.check()
+
+
+def test_deleting_or_forgetting_an_unknown_page_names_it(tmp_path):
+    store = TieredStore(device_bytes=1 << 20, host_bytes=0, disk_path=tmp_path, disk_bytes=1 << 20)
+    with pytest.raises(KeyError, match="page 'x' is not stored"):
+        store.delete("x")
+    with pytest.raises(KeyError, match="page 'x' is not dropped; forget_dropped expects"):
+        store.forget_dropped("x")
+    with pytest.raises(KeyError, match="page 'x' has no file on the disk tier .in '"):
+        store.adopt_disk_page("x", 10)
 
 
 def test_take_all_returns_every_page_in_order_from_whichever_tier_holds_it(tmp_path):

@@ -31,14 +31,23 @@ def tiny_model():
     return model
 
 
+class _Calls(list):
+    def __init__(self) -> None:
+        super().__init__()
+        self.newest: list[str] = []
+
+
 @contextlib.contextmanager
 def spy_on_segments(monkeypatch):
-    """Record the sources of every segment_attention call (one per layer and step)."""
-    calls: list[tuple[str, ...]] = []
+    """Record the sources of every segment_attention call (one per layer and step), and in
+    ``newest`` the source of the segment holding the call's newest key."""
+    calls = _Calls()
     real = tiers_attention.segment_attention
 
     def spy(query, segments, seen, scale):
         calls.append(tuple(s.source for s in segments))
+        last = {s.source: int(s.positions.max()) for s in segments if s.positions.numel()}
+        calls.newest.append(max(last, key=last.get))
         return real(query, segments, seen, scale)
 
     monkeypatch.setattr(tiers_attention, "segment_attention", spy)
@@ -83,7 +92,9 @@ def test_segments_from_every_tier_make_dynamic_cache_tokens_and_the_gathered_sco
             if merge:
                 assert len(calls) == 3 * 20  # every layer: the prefill and 19 decode steps
                 assert {"device", "fetched"} <= {source for call in calls for source in call}
-                assert all(call[0] == "device" for call in calls)  # the tail is always there
+                # The tail (the newest keys, this step's among them) is attended with the
+                # device pages.
+                assert calls.newest == ["device"] * len(calls)
     torch.testing.assert_close(logits[True], logits[False], atol=1e-4, rtol=1e-4)
 
 

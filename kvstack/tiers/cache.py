@@ -536,9 +536,8 @@ class TieredCache(Cache):
             if self.placement == "attention":
                 self._prefill_shares.update(zip(layer.page_keys, shares, strict=True))
                 if layer is self.attention_layers[-1]:
-                    scores = self._prefill_shares
+                    scores, self._prefill_shares = self._prefill_shares, {}  # even if place fails
                     self.store.place(sorted(scores, key=lambda k: (-scores[k], k)))
-                    self._prefill_shares = {}
             return
         homes = self.store.homes(layer.page_keys)
         on_device = sum(
@@ -820,7 +819,11 @@ class TieredCache(Cache):
         tail and each state layer's states are written as pages under names of this save, and a
         manifest naming them, with the token ids whose K/V they hold, is written last
         (atomically); only then are the previous save's tail and state pages deleted. A process
-        killed, or a full disk, before the manifest leaves the previous save in force.
+        killed, or a full disk, before the manifest leaves the previous save in force. Later
+        steps keep the save whole: its pages' disk files are not pushed out to make room (a
+        step that finds no other room raises ``TierFull``), except in lossless mode
+        (``recompute_with``), which drops them last; ``resume(damaged="recompute")`` then
+        recomputes from the first one dropped.
         ``token_ids``: the conversation's ids, at least the tokens the cache has seen (the
         output of ``generate``; its last token, never fed back, is not saved)."""
         if self.store.disk is None:
@@ -873,6 +876,9 @@ class TieredCache(Cache):
             if key in self.store.pages:
                 self.store.delete(key)
         self._save_serial, self._saved_keys = serial, set(written)
+        # Later steps must not push this save's files out of a full disk (they would drop
+        # them as copies first): the store keeps them, or raises TierFull.
+        self.store.keep_on_disk = {key for entry in layers for key in _entry_keys(entry)}
 
     def _save_pages(self, serial: int, written: list[str]) -> list[dict[str, Any]]:
         """Copy every page to disk and write the tails and states of save ``serial`` (their
@@ -945,7 +951,8 @@ class TieredCache(Cache):
         ``damaged``: what a missing or corrupt page costs.
 
         * ``"raise"``: pages stay on disk until read, and are checked then: a damaged one raises
-          ``PageCorrupted`` in the step that reads it.
+          ``PageCorrupted`` in the step that reads it (a page whose file is missing raises it
+          here).
         * ``"recompute"`` (lossless): every page is read and checked now; the cache keeps the
           longest prefix whose pages are whole in every layer and deletes the rest, with a
           warning (``resume_damage`` says why), and ``generate`` recomputes from there. A
@@ -1014,6 +1021,13 @@ class TieredCache(Cache):
                     "on are recomputed by generate",
                     stacklevel=2,
                 )
+        if damaged == "raise":  # a missing file is damage found now, not a bare KeyError
+            for key in sorted(k for entry in record["layers"] for k in _entry_keys(entry)):
+                if key not in disk:
+                    raise PageCorrupted(
+                        f"page {key!r} of the conversation saved in {str(disk_path)!r} has no "
+                        "file; resume with damaged='recompute' to keep the prefix before it"
+                    )
         dtype = getattr(torch, record["geometry"]["dtype"].removeprefix("torch."))
         empty_tail = torch.empty(1, cache.kv_heads, 0, cache.head_dim, dtype=dtype)  # [1, H, 0, D]
         for layer, entry in zip(cache.layers, record["layers"], strict=True):
@@ -1043,6 +1057,7 @@ class TieredCache(Cache):
             cache.store.adopt_disk_page(entry["state"], page_nbytes(page))  # kept, as the tails
             cache._saved_keys.add(entry["state"])
         cache._save_serial = record.get("serial", 0)
+        cache.store.keep_on_disk = {k for entry in record["layers"] for k in _entry_keys(entry)}
         if cache._recompute_model is not None and saved:
             cache._token_ids = torch.tensor([saved], dtype=torch.long)  # [1, n]
         cache.prefetch_after(-1)  # the first layer's pages, for the first step
@@ -1103,6 +1118,8 @@ class TieredCache(Cache):
         super().reset()
         self._token_ids = None
         self._recomputed = {}
+        self._prefill_shares = {}  # a prefill cut short leaves the scores of its first layers
+        self.store.keep_on_disk = set()  # the save in force is deleted below
         for key in self._saved_keys:  # the saved tails and states
             if key in self.store.pages:
                 self.store.delete(key)

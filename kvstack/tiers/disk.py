@@ -330,7 +330,11 @@ class DiskTier:
     stopped) and deletes temporary files that a killed write left behind."""
 
     def __init__(self, path: str | os.PathLike, capacity_bytes: int) -> None:
-        if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
+        if (
+            isinstance(capacity_bytes, bool)
+            or not isinstance(capacity_bytes, int)
+            or capacity_bytes <= 0
+        ):
             raise InvalidArgumentError(
                 f"capacity_bytes={capacity_bytes!r}; expected a positive number of bytes"
             )

@@ -13,6 +13,11 @@ on device of a page whose home is host or disk). The rules that keep a page from
   again from its tokens). Then the lowest tier on makes room by **dropping** pages in the
   rule's order (``demote_to=None``: the rule prices recomputing them); only KV pages
   (``tokens > 0``) are dropped, and the store remembers what it knew of each (``dropped``).
+* **A save's pages stay on disk.** ``keep_on_disk`` names the pages whose files a saved
+  conversation needs (``TieredCache.save`` sets it). Their disk files are not dropped as copies
+  to make room, and a move up keeps the file as a copy: a disk too full for anything else
+  raises ``TierFull`` instead of breaking the save. With ``may_drop`` they are dropped last,
+  after every other KV page (the save then resumes only by recomputing what was dropped).
 * **Reads are checked.** Pages read from disk are verified against their checksum
   (``DiskTier``); a corrupt page raises ``PageCorrupted`` and is never returned.
 
@@ -56,7 +61,9 @@ class TieredStore:
     Budgets: ``device_bytes`` and ``host_bytes`` of page tensors, ``disk_bytes`` of page files
     under ``disk_path``; 0 switches a tier off. ``rule`` ranks a full tier's pages for demotion
     (default ``LRU``). Methods that make room take ``protect``: a page that must not leave (the
-    one being written). Thread-safe: every method holds ``lock``."""
+    one being written). Thread-safe: every method that reads or changes the pages holds
+    ``lock`` (an ``RLock``; the queries ``bytes_used``, ``bytes_free`` and ``tiers_of`` are
+    for callers that hold it, or that tolerate a page moving meanwhile)."""
 
     def __init__(
         self,
@@ -75,7 +82,7 @@ class TieredStore:
         ``may_drop``: the lowest tier on drops KV pages when full (see the module docstring)."""
         budgets = {"device": device_bytes, "host": host_bytes, "disk": disk_bytes}
         for tier, budget in budgets.items():
-            if not isinstance(budget, int) or budget < 0:
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
                 raise InvalidArgumentError(
                     f"{tier}_bytes={budget!r}; expected a non-negative number of bytes"
                 )
@@ -98,8 +105,10 @@ class TieredStore:
         self.may_drop = may_drop
         self.dropped: dict[str, PageInfo] = {}  # dropped from every tier, as they were known
         self.drops = 0  # pages dropped so far
-        # Pages being copied: the room their copy needs may demote them, never drop them.
-        self._copying: set[str] = set()
+        # Pages being copied -> copies in progress (a copy's room-making can copy the same page
+        # again, a demotion): the room a copy needs may demote them, never drop them.
+        self._copying: Counter[str] = Counter()
+        self.keep_on_disk: set[str] = set()  # pages a save in force needs on disk (see above)
         self.clock = 0  # advanced by every read (and ``tick``): the rules' notion of time
         self.bytes_moved: Counter[str] = Counter()  # "device->host" -> bytes
         self.hits: Counter[str] = Counter()  # tier that served a read -> reads
@@ -117,6 +126,7 @@ class TieredStore:
         info = self._info(key)
         return [t for t in TIERS if t == info.home or t in info.copies]
 
+    @_locked
     def stats(self) -> dict[str, Any]:
         return {
             "pages": len(self.pages),
@@ -154,6 +164,8 @@ class TieredStore:
             )
         if key in self.pages or key in self.dropped:
             raise InvalidArgumentError(f"page key {key!r} is already stored; expected a new key")
+        _check_count("position", position)
+        _check_count("tokens", tokens)
         info = PageInfo(key, page_nbytes(page), tier, position=position, tokens=tokens)
         info.stored_at = info.last_used = self.clock
         self._write(tier, info, page)
@@ -233,9 +245,15 @@ class TieredStore:
         """Name a page already on the disk tier (written by an earlier process) as homed there;
         ``nbytes``: its tensors' bytes, what a memory tier will hold for it."""
         if self.disk is None or key not in self.disk:
-            raise KeyError(f"page {key!r} is not on the disk tier")
+            where = "the disk tier is off" if self.disk is None else f"in {str(self.disk.path)!r}"
+            raise KeyError(
+                f"page {key!r} has no file on the disk tier ({where}); adopt_disk_page expects a "
+                "page an earlier process wrote there"
+            )
         if key in self.pages:
             raise InvalidArgumentError(f"page key {key!r} is already stored; expected a new key")
+        _check_count("position", position)
+        _check_count("tokens", tokens)
         info = PageInfo(key, nbytes, "disk", position=position, tokens=tokens)
         info.stored_at = info.last_used = self.clock
         self.pages[key] = info
@@ -251,11 +269,13 @@ class TieredStore:
         page = self._read(source, key)
         # (Making room may demote the source page itself meanwhile; the move is counted from
         # where its bytes were read.)
-        self._copying.add(key)
+        self._copying[key] += 1
         try:
             self._write(tier, info, page, protect=key)
         finally:
-            self._copying.discard(key)
+            self._copying[key] -= 1
+            if not self._copying[key]:
+                del self._copying[key]
         info.copies.add(tier)
         self.bytes_moved[f"{source}->{tier}"] += info.nbytes
 
@@ -270,7 +290,10 @@ class TieredStore:
         old = info.home
         info.copies.discard(tier)
         info.home = tier
-        self._erase(old, key)
+        if old == "disk" and key in self.keep_on_disk:
+            info.copies.add(old)  # a save in force reads this file
+        else:
+            self._erase(old, key)
 
     @_locked
     def promote(self, key: str, page: Page) -> str | None:
@@ -278,6 +301,7 @@ class TieredStore:
         (its bytes, already read), demoting nothing; returns the new home (None: no room). A
         page leaving disk keeps its file as a copy (a later save need not write it again)."""
         info = self._info(key)
+        info.nbytes = page_nbytes(page)  # the bytes in hand (a resumed page's are estimated)
         for tier in TIERS[: TIERS.index(info.home)]:
             if tier not in info.copies:
                 if self.capacity[tier] == 0 or self.bytes_free(tier) < info.nbytes:
@@ -309,9 +333,13 @@ class TieredStore:
 
     @_locked
     def delete(self, key: str) -> None:
+        """Forget ``key``: its bytes leave every tier (a dropped page's record goes)."""
         if self.dropped.pop(key, None) is not None:  # no tier holds it
+            self.keep_on_disk.discard(key)
             return
-        info = self.pages.pop(key)
+        info = self._info(key)
+        del self.pages[key]
+        self.keep_on_disk.discard(key)
         for tier in (info.home, *info.copies):
             self._erase(tier, key)
 
@@ -319,6 +347,8 @@ class TieredStore:
     def forget_dropped(self, key: str) -> PageInfo:
         """Take ``key``'s record out of ``dropped`` (its K/V is about to be stored again) and
         return it, for ``restore_dropped`` if that store fails."""
+        if key not in self.dropped:
+            raise KeyError(f"page {key!r} is not dropped; forget_dropped expects a dropped page")
         return self.dropped.pop(key)
 
     @_locked
@@ -402,7 +432,10 @@ class TieredStore:
                 f"{tier} tier: a page of {nbytes} bytes exceeds its capacity of "
                 f"{self.capacity[tier]} bytes"
             )
-        for key in [k for k, p in self.pages.items() if tier in p.copies and k != protect]:
+        kept = self.keep_on_disk if tier == "disk" else set()
+        for key in [
+            k for k, p in self.pages.items() if tier in p.copies and k != protect and k not in kept
+        ]:
             if self.bytes_free(tier) >= nbytes:
                 return
             self.drop_copy(key, tier)
@@ -428,14 +461,26 @@ class TieredStore:
     def _drop_for_room(self, tier: str, nbytes: int, protect: str | None) -> None:
         """``make_room`` of the lowest tier by dropping KV pages (their tokens recompute them),
         ranked again after each drop: by the rule's ``rank_drops`` where it has one (what a
-        drop costs depends on what was dropped), else by its demotion order."""
+        drop costs depends on what was dropped), else by its demotion order. Pages a save keeps
+        go last: their disk copies first, then the pages (the save then resumes only with
+        ``damaged="recompute"``)."""
         rank_drops = getattr(self.rule, "rank_drops", None)
         while self.bytes_free(tier) < nbytes:
-            candidates = [
-                p
-                for p in self.pages.values()
-                if p.home == tier and p.key != protect and p.tokens and p.key not in self._copying
-            ]
+            candidates = self._droppable(tier, protect, kept=False)
+            if not candidates:
+                kept_copy = next(
+                    (
+                        k
+                        for k in sorted(self.keep_on_disk)
+                        if k != protect and k in self.pages and tier in self.pages[k].copies
+                    ),
+                    None,
+                )
+                if kept_copy is not None:
+                    self.keep_on_disk.discard(kept_copy)
+                    self.drop_copy(kept_copy, tier)
+                    continue
+                candidates = self._droppable(tier, protect, kept=True)
             if not candidates:
                 raise TierFull(
                     f"{tier} tier: {nbytes} bytes needed, {self.bytes_free(tier)} of "
@@ -445,7 +490,21 @@ class TieredStore:
                 ranked = rank_drops(candidates, self.clock, list(self.dropped.values()))
             else:
                 ranked = self.rule.rank(candidates, self.clock, None)
+            self.keep_on_disk.discard(ranked[0].key)
             self.drop(ranked[0].key)
+
+    def _droppable(self, tier: str, protect: str | None, kept: bool) -> list[PageInfo]:
+        """KV pages homed in ``tier`` that may be dropped: not ``protect``, not being copied,
+        and kept by a save or not (``kept``)."""
+        return [
+            p
+            for p in self.pages.values()
+            if p.home == tier
+            and p.key != protect
+            and p.tokens
+            and p.key not in self._copying
+            and (p.key in self.keep_on_disk) == kept
+        ]
 
     # ------------------------------------------------------------------ internals
     def _write(self, tier: str, info: PageInfo, page: Page, protect: str | None = None) -> None:
@@ -459,6 +518,9 @@ class TieredStore:
             return
         if self.capacity[tier] == 0:
             raise TierFull(f"{tier} tier: off ({tier}_bytes=0); the page was not written")
+        # What the tier will hold is what _erase gives back: the tensors' bytes (a page adopted
+        # from disk was named with an estimate, from the saved geometry's dtype).
+        info.nbytes = page_nbytes(page)
         if self.bytes_free(tier) < info.nbytes:
             self.make_room(tier, info.nbytes, protect or info.key)
         target = self.device if tier == "device" else torch.device("cpu")
@@ -509,6 +571,11 @@ class TieredStore:
             assert info.home not in info.copies
         assert not set(self.dropped) & set(self.pages), "a page is both dropped and stored"
         assert all(not info.copies for info in self.dropped.values())
+
+
+def _check_count(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArgumentError(f"{name}={value!r}; expected a whole number >= 0")
 
 
 @dataclass

@@ -202,8 +202,9 @@ class TurnStore:
                 new_keys.append(key)
         except BaseException:
             # A page that could not be written (a full or failing disk): the conversation keeps
-            # the pages it held before this save, and none of this save's. A page it had
-            # dropped is dropped again (its tokens are still the conversation's), never lost.
+            # the pages before ``same`` that it held (those of a history that changed are
+            # deleted above, before any write), and none of this save's. A page it had dropped
+            # is dropped again (its tokens are still the conversation's), never lost.
             for key in new_keys:
                 if key in self.store.pages or key in self.store.dropped:
                     self.store.delete(key)
@@ -270,8 +271,8 @@ class TurnStore:
         """``engine.submit`` of a conversation's next turn (``input_ids``: the conversation so
         far and the new message), with the K/V the store rebuilds as ``prefix_kv`` and
         ``keep_kv=True``. Pass the handle to ``save_turn`` when it is done. Arguments the
-        engine would refuse are refused before the store reads anything (a read moves pages
-        between tiers and counts hits)."""
+        engine would refuse are refused before the store reads anything (a read counts hits, and
+        drops a page it finds corrupt)."""
         engine.check_submit(input_ids, max_new_tokens, keep_kv=True, **kwargs)
         ids = token_ids("input_ids", input_ids)
         prefix = self.prefix_kv(conversation, ids)
