@@ -150,7 +150,7 @@ def test_a_cache_whose_config_is_not_the_models_says_so(tiny_model):
     cache = TieredCache(config, device_budget="1MiB", host_budget=0, merge_segments=True)
     with pytest.raises(KVStackError, match="no 'kvstack_tiers' attention call read them"):
         greedy(tiny_model, prompt(20, seed=4), cache, 2)
-    tiers_attention.PENDING.clear()
+    tiers_attention.pending().clear()
 
 
 def test_merge_segments_off_the_default_or_another_attention_gathers(tiny_model, monkeypatch):
@@ -176,3 +176,18 @@ def test_a_segment_without_keys_never_reaches_the_op():
     query = torch.randn(1, 2, 1, 8)
     with pytest.raises(InvalidArgumentError, match="segments must name at least one segment"):
         tiers_attention.segment_attention(query, [], 1, None)
+
+
+def test_what_an_update_hands_its_attention_call_is_seen_only_on_its_own_thread():
+    """Two models generating on two threads: each attention call sees the update of its own
+    thread's layer, never the other's."""
+    import threading
+
+    mine = tiers_attention.pending()
+    mine.layer, mine.key = "this thread's layer", torch.zeros(1)
+    seen = []
+    other = threading.Thread(target=lambda: seen.append(tiers_attention.pending().layer))
+    other.start()
+    other.join()
+    assert seen == [None] and tiers_attention.pending().layer == "this thread's layer"
+    mine.clear()

@@ -33,6 +33,7 @@ runs sdpa, so every step is exact.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -73,7 +74,20 @@ class PendingScores:
         self.layer = self.key = self.segments = self.gather = None
 
 
-PENDING = PendingScores()
+class _PendingOfThisThread(threading.local):
+    """One ``PendingScores`` per thread: an update and the attention call after it run on the
+    same thread, and two models generating on two threads must not see each other's."""
+
+    def __init__(self) -> None:
+        self.scores = PendingScores()
+
+
+_PENDING = _PendingOfThisThread()
+
+
+def pending() -> PendingScores:
+    """This thread's ``PendingScores``: what the last ``TieredLayer.update`` on it handed over."""
+    return _PENDING.scores
 
 
 def key_attention_mass(
@@ -164,10 +178,11 @@ def tiers_attention(
     of the layer's keys, when its cache uses them."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    layer = PENDING.layer if PENDING.key is key else None
-    segments, gather = PENDING.segments, PENDING.gather
+    handed = pending()
+    layer = handed.layer if handed.key is key else None
+    segments, gather = handed.segments, handed.gather
     if layer is not None:
-        PENDING.clear()  # one update, one attention call
+        handed.clear()  # one update, one attention call
     # What the segments cannot express goes to sdpa over the gathered keys: a mask (padded
     # rows), dropout, or what transformers' other attentions take (softcap, sinks, a bias).
     plain = (

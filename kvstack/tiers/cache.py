@@ -186,7 +186,7 @@ class TieredLayer(CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ):
-        pending = tiers_attention.PENDING
+        pending = tiers_attention.pending()
         if pending.layer is not None and pending.layer.cache is self.cache:
             # The layer before stored K/V and no "kvstack_tiers" attention call took it: the
             # model runs another attention, so no scores reach this cache, and a layer that
@@ -1112,7 +1112,7 @@ class TieredCache(Cache):
         any (a resumed conversation's too: resume it again from a copy of its directory if it
         must survive); pending fetches are drained first (page keys are reused)."""
         self.prefetcher.drain()
-        pending = tiers_attention.PENDING
+        pending = tiers_attention.pending()
         if pending.layer is not None and pending.layer.cache is self:  # a step cut short
             pending.clear()
         super().reset()
