@@ -244,7 +244,7 @@ def test_a_saved_memory_reopens_in_a_new_object_with_the_same_kv(tmp_path):
     again.add("Erin drives a blue van.")
     again.save()
     assert len(list(tmp_path.glob("facts.*.safetensors"))) == 1
-    assert len(memory(path=tmp_path)) == len(FACTS) + 1
+    assert len(memory(path=tmp_path, context_turns=1)) == len(FACTS) + 1
 
 
 def test_a_save_killed_before_its_index_leaves_the_last_good_store(tmp_path, monkeypatch):
@@ -292,6 +292,23 @@ def test_a_store_of_another_model_or_embedder_is_refused(tmp_path):
         memory(tiny_model(seed=1), path=tmp_path)
     with pytest.raises(InvalidArgumentError, match="holds 32-d embeddings"):
         memory(path=tmp_path, embedder=lambda texts: torch.ones(len(texts), 8))
+    with pytest.raises(InvalidArgumentError, match="was embedded by 'word_embedder'"):
+        memory(path=tmp_path, embedder=lambda texts: word_embedder(texts))
+    with pytest.raises(InvalidArgumentError, match="context_turns=0; this memory has"):
+        memory(path=tmp_path, context_turns=2)
+
+
+def test_a_store_whose_index_names_a_fact_without_kv_raises_store_corrupted(tmp_path):
+    import json
+
+    mem = memory(path=tmp_path)
+    mem.add_many(FACTS)
+    mem.save()
+    index = json.loads((tmp_path / "index.json").read_text())
+    index["facts"].append(dict(index["facts"][0], id="f99"))
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    with pytest.raises(StoreCorrupted, match=r"names facts \['f99'\] whose K/V"):
+        memory(path=tmp_path)
 
 
 # --------------------------------------------------------------------------- bad input
@@ -305,6 +322,8 @@ def test_bad_input_raises_and_changes_nothing():
         mem.add_many([FACTS[1], "  "])  # the first is not stored either
     with pytest.raises(InvalidArgumentError, match="expected a sequence of turns"):
         mem.add(FACTS[1], context="one turn, not a list")
+    with pytest.raises(InvalidArgumentError, match="facts='Biscuit'; expected a sequence"):
+        mem.add_many("Biscuit")  # not seven one-letter facts
     with pytest.raises(InvalidArgumentError, match="embedder gives 8-d vectors"):
         mem.embedder = lambda texts: torch.ones(len(texts), 8)
         mem.add(FACTS[1])
@@ -337,13 +356,22 @@ def test_a_model_with_sliding_window_layers_is_refused():
 
 
 # --------------------------------------------------------------------------- the arena
-def test_fact_pages_live_in_the_arena_and_requests_on_it_share_its_budget():
+class _Spacer:
+    """An arena owner whose page sits below the facts' until it is freed."""
+
+    def pages_moved(self, moves):
+        pass
+
+
+def test_fact_pages_live_in_the_arena_and_requests_on_it_share_its_budget(tmp_path):
     from kvstack.arena import KVArena
     from kvstack.hf import PagedCache
 
     arena = KVArena("4MiB")
-    mem = memory(arena=arena)
+    spacer = arena.allocate(_Spacer(), "kv", 4096)  # freed below: compaction moves the facts
+    mem = memory(arena=arena, path=tmp_path)
     ids = mem.add_many(FACTS)
+    arena.free(spacer)
     tokens = sum(len(mem.facts[f].token_ids) for f in ids)
     per_token = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads of 16 dims, fp32
     assert mem.bytes_held == tokens * per_token == arena.bytes_used
@@ -357,10 +385,13 @@ def test_fact_pages_live_in_the_arena_and_requests_on_it_share_its_budget():
     for cache in caches:
         cache.release()
     assert arena.bytes_used == mem.bytes_held
-    arena.compact()  # the pages may move; the facts read the same
+    offsets = {f: mem._pages[f].offset for f in ids}
+    arena.compact()  # the fact pages move down; the facts read the same
+    assert all(mem._pages[f].offset < offsets[f] for f in ids)
     for f in ids:
         assert all(torch.equal(a, b) for a, b in zip(mem.kv(f), before[f], strict=True))
-    mem.release()
+    mem.save()
+    mem.release()  # every fact is in the store now
     assert arena.bytes_used == 0
 
 
@@ -388,11 +419,20 @@ def test_a_saved_memory_releases_its_pages_and_reads_them_back_on_use(tmp_path):
     assert mem.bytes_held == 0
     assert all(torch.equal(a, b) for a, b in zip(mem.kv(ids[2]), before, strict=True))
     assert mem.bytes_held == 2 * before[0].numel() * 4  # only that fact came back
+    # A fact added since the save has its K/V only in its page: release keeps it.
+    (late,) = mem.add_many(["Zoe rides a red bike."])
+    late_kv = [t.clone() for t in mem.kv(late)]
+    mem.release()
+    assert mem.bytes_held == 2 * late_kv[0].numel() * 4
+    assert all(torch.equal(a, b) for a, b in zip(mem.kv(late), late_kv, strict=True))
+    mem.save()  # and it can be saved
+    mem.release()
+    assert mem.bytes_held == 0
     unsaved = memory()
     unsaved.add(FACTS[0])
-    unsaved.release()
-    with pytest.raises(KVStackError, match="released them unsaved"):
-        unsaved.kv("f0")
+    held = unsaved.bytes_held
+    unsaved.release()  # nothing saved: nothing released
+    assert unsaved.bytes_held == held > 0
 
 
 def test_the_prefix_kv_is_the_headers_own_and_is_saved_with_the_facts(tmp_path):

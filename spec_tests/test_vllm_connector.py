@@ -58,3 +58,26 @@ def test_facts_loaded_through_the_connector_skip_prefill_and_keep_vllms_tokens(t
     # A request whose prompt does not hold the named facts in order loads nothing.
     assert result["mismatch"]["cached"] == 0
     assert result["mismatch"]["tokens"] == prefilled["tokens"]
+
+
+def test_the_scheduler_side_reloads_resumed_requests_and_refuses_what_it_cannot_serve():
+    """Without an engine: prefix caching is refused, a request resumed after preemption gets
+    its facts loaded into its new blocks, and a store of another geometry is not loaded."""
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [str(VLLM_PYTHON), str(ROOT / "spec_tests" / "vllm_connector_units.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=ROOT,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    result = json.loads(lines[-1][len("RESULT ") :])
+    assert "needs enable_prefix_caching=False" in result["prefix_caching"]
+    assert result["resumed_loads"] == [["resumed", [4, 7]]]
+    assert result["still_pending"] == ["waiting"]
+    assert result["same_model"] is None
+    assert "'layers': 2" in result["other_model"] and "'layers': 3" in result["other_model"]

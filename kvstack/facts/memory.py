@@ -45,7 +45,7 @@ from transformers.cache_utils import DynamicLayer
 
 from kvstack import ops
 from kvstack.arena import KVArena, Page
-from kvstack.errors import InvalidArgumentError, KVStackError
+from kvstack.errors import InvalidArgumentError, KVStackError, StoreCorrupted
 from kvstack.facts import storage
 from kvstack.facts.embedding import MiniLMEmbedder, cosine_top_k, embed
 
@@ -99,22 +99,26 @@ def model_identity(model: Any) -> dict[str, Any]:
         "head_dim": getattr(config, "head_dim", None)
         or config.hidden_size // config.num_attention_heads,
         "dtype": str(next(model.parameters()).dtype),
-        "rope": repr(
-            getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-        ),
+        "rope": rope_description(config),
         "weights_sha256": digest.hexdigest(),
     }
+
+
+def rope_description(config: Any) -> str:
+    """The text config's RoPE parameters, as a store records them."""
+    return repr(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None))
 
 
 class FactMemory:
     """Facts with their KV and embeddings; see the module docstring.
 
     ``embedder``: a callable from texts to vectors (default: all-MiniLM-L6-v2). ``path``: a
-    directory; a store already there is reopened (its model and embedder checked), and
-    ``save()`` writes there. ``context_turns``: w, the turns each fact is encoded after.
-    ``prefix``: text every fact is encoded after, before its turns (the prompts' header, say),
-    whose K/V are not kept either: with it no fact token sits at position 0, where a model
-    puts its attention sink. ``arena``: where the facts' K/V pages live (default: a private
+    directory; a store already there is reopened (checked against this model's identity, the
+    embedder's name and dimension, ``context_turns`` and ``prefix``), and ``save()`` writes
+    there. ``context_turns``: w, the turns each fact is encoded after. ``prefix``: text every
+    fact is encoded after, before its turns (the prompts' header, say): no fact's page holds
+    its K/V, which is kept once (``prefix_kv()``, saved with the facts); with it no fact token
+    sits at position 0, where a model puts its attention sink. ``arena``: where the facts' K/V pages live (default: a private
     arena that grows and shrinks in segments); one page per fact, read by every prompt that
     retrieves it."""
 
@@ -156,11 +160,15 @@ class FactMemory:
             model.config.get_text_config(decoder=True), "max_position_embeddings", None
         )
         self.embedder = embedder if embedder is not None else MiniLMEmbedder()
-        self.embedder_name = getattr(self.embedder, "name", type(self.embedder).__name__)
+        self.embedder_name = str(
+            getattr(self.embedder, "name", None)
+            or getattr(self.embedder, "__qualname__", None)  # a function's own name
+            or type(self.embedder).__name__
+        )
         dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
         if arena is None:
             arena = KVArena.private(dtype=dtype, device=device)
-        if (arena.dtype, arena.device) != (dtype, device):
+        if arena.dtype != dtype or not _same_device(arena.device, device):
             raise InvalidArgumentError(
                 f"arena holds {arena.dtype} on {arena.device}, but the model computes {dtype} on "
                 f"{device}; give an arena of the model's dtype and device"
@@ -170,7 +178,8 @@ class FactMemory:
         # A fact's K/V: one arena page, keys at position 0 then values, each [L, T, H_kv, D].
         self._pages: dict[str, Page] = {}
         self._vectors = torch.zeros(0, 0)  # [N, dim], rows in the order of self.facts
-        self._prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # computed on save
+        # Computed on first use (prefix_kv), or read from a reopened store.
+        self._prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None
         self._stored: Any = None  # the reopened store's tensors (read lazily)
         self.path = None if path is None else storage.check_directory(path)
         if self.path is not None and storage.has_store(self.path):
@@ -195,6 +204,10 @@ class FactMemory:
     ) -> list[str]:
         """``add`` for several facts (one embedder call). All are checked and encoded before
         any is stored: on an error the memory is unchanged."""
+        if isinstance(facts, str):
+            raise InvalidArgumentError(
+                f"facts={facts!r:.80}; expected a sequence of facts (use add() for one)"
+            )
         contexts = [()] * len(facts) if contexts is None else list(contexts)
         if len(contexts) != len(facts):
             raise InvalidArgumentError(
@@ -216,12 +229,16 @@ class FactMemory:
                 f"{self._vectors.shape[1]}-d ones"
             )
         ids = [f"f{len(self.facts) + i}" for i in range(len(facts))]
+        # Everything that can fail before anything changes: the vectors joined (on the CPU,
+        # where a reopened store's are), then the pages (all or none).
+        vectors = vectors.cpu()
+        joined = vectors if not len(self._vectors) else torch.cat([self._vectors, vectors])
         self._store_pages({i: (k, v) for i, (_, _, k, v) in zip(ids, encoded, strict=True)})
         for fact_id, fact, (token_ids, context_tokens, _, _) in zip(
             ids, facts, encoded, strict=True
         ):
             self.facts[fact_id] = Fact(fact_id, fact, tuple(token_ids), context_tokens)
-        self._vectors = vectors if not len(self._vectors) else torch.cat([self._vectors, vectors])
+        self._vectors = joined
         return ids
 
     @torch.no_grad()
@@ -297,14 +314,14 @@ class FactMemory:
             with torch.inference_mode(False):
                 for fact_id, (keys, _) in kv.items():
                     (taken[fact_id],) = self.arena.allocate(self, "kv", 2 * keys.numel())
+            for fact_id, (keys, values) in kv.items():  # no allocation from here: offsets hold
+                page = taken[fact_id]
+                flat = self.arena.buffer[page.offset : page.end]  # [2 * L * T * H_kv * D]
+                flat[: keys.numel()].copy_(keys.reshape(-1))
+                flat[keys.numel() :].copy_(values.reshape(-1))
         except BaseException:
             self.arena.free(taken.values())
             raise
-        for fact_id, (keys, values) in kv.items():  # no allocation from here: offsets hold
-            page = taken[fact_id]
-            flat = self.arena.buffer[page.offset : page.end]  # [2 * L * T * H_kv * D]
-            flat[: keys.numel()].copy_(keys.reshape(-1))
-            flat[keys.numel() :].copy_(values.reshape(-1))
         self._pages.update(taken)
 
     def pages_moved(self, moves: dict[Page, int]) -> None:
@@ -312,11 +329,12 @@ class FactMemory:
         views are taken from its page's offset when they are used."""
 
     def release(self) -> None:
-        """Return every fact page to the arena (the memory keeps its facts' text and
-        embeddings; a reopened store reads K/V back on use, a memory that was never saved
-        cannot inject after this)."""
-        self.arena.free(self._pages.values())
-        self._pages = {}
+        """Return to the arena the pages of every fact the store on disk holds (the memory
+        keeps its facts' text and embeddings, and reads their K/V back on use). Facts added
+        since the last ``save()`` keep their pages: their K/V is nowhere else."""
+        saved = set(self._stored.keys()) if self._stored is not None else set()
+        released = [f for f in self._pages if f"{f}.k" in saved]
+        self.arena.free([self._pages.pop(f) for f in released])
 
     @property
     def bytes_held(self) -> int:
@@ -326,8 +344,10 @@ class FactMemory:
     def _resident(self, fact_ids: Sequence[str]) -> None:
         """Every fact of ``fact_ids`` has its page, read from the reopened store if needed."""
         missing = [f for f in dict.fromkeys(fact_ids) if f not in self._pages]
-        if missing and self._stored is None:
-            raise KVStackError(f"facts {missing} have no K/V: the memory released them unsaved")
+        saved = set(self._stored.keys()) if self._stored is not None else set()
+        lost = [f for f in missing if f"{f}.k" not in saved]
+        if lost:
+            raise KVStackError(f"facts {lost} have no K/V: neither a page nor the saved store")
         if missing:
             self._store_pages(
                 {
@@ -542,6 +562,17 @@ class FactMemory:
                 f"the fact store in {str(self.path)!r} encoded its facts after the prefix "
                 f"{index.get('prefix', '')!r}; this memory's prefix is {self.prefix!r}"
             )
+        if list(index.get("prefix_ids", [])) != self.prefix_ids:
+            raise InvalidArgumentError(
+                f"the fact store in {str(self.path)!r} tokenized its prefix as "
+                f"{index.get('prefix_ids')}; this tokenizer gives {self.prefix_ids}"
+            )
+        if index.get("context_turns") != self.context_turns:
+            raise InvalidArgumentError(
+                f"the fact store in {str(self.path)!r} encoded each fact after "
+                f"context_turns={index.get('context_turns')!r}; this memory has "
+                f"context_turns={self.context_turns}"
+            )
         stored = storage.open_tensors(self.path, index)
         vectors = stored.get_tensor("vectors")
         probe = embed(self.embedder, ["probe"])
@@ -550,6 +581,20 @@ class FactMemory:
                 f"the fact store in {str(self.path)!r} holds {index['embedder']['dim']}-d "
                 f"embeddings ({index['embedder']['name']}); this embedder gives {probe.shape[1]}-d"
             )
+        saved_embedder = index["embedder"]["name"]
+        # (Stores saved before functions were named record every function as "function".)
+        if index["facts"] and saved_embedder not in (self.embedder_name, "function"):
+            raise InvalidArgumentError(
+                f"the fact store in {str(self.path)!r} was embedded by "
+                f"{saved_embedder!r}; this memory's embedder is {self.embedder_name!r}"
+            )
+        names = set(stored.keys())
+        lacking = [f["id"] for f in index["facts"] if {f"{f['id']}.k", f"{f['id']}.v"} - names]
+        if lacking:
+            raise StoreCorrupted(
+                f"the fact store in {str(self.path)!r} names facts {lacking[:5]} whose K/V its "
+                f"tensors file {index['tensors']!r} lacks"
+            )
         self.facts = {
             f["id"]: Fact(f["id"], f["text"], tuple(f["token_ids"]), f["context_tokens"])
             for f in index["facts"]
@@ -557,6 +602,19 @@ class FactMemory:
         self._vectors, self._stored = vectors, stored
         if "prefix.k" in stored.keys():
             self._prefix_kv = (stored.get_tensor("prefix.k"), stored.get_tensor("prefix.v"))
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether two devices are one: ``cuda`` names the current CUDA device, ``cuda:0`` its
+    index."""
+
+    def index(device: torch.device) -> int | None:
+        if device.index is None and device.type == "cuda":
+            return torch.cuda.current_device()
+        return device.index
+
+    a, b = torch.device(a), torch.device(b)
+    return a.type == b.type and index(a) == index(b)
 
 
 def _forget_kvstack_step() -> None:

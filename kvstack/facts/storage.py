@@ -7,8 +7,10 @@
 Each save writes a new tensors file (temporary name, fsync, rename), then the index the same
 way; only then is the previous tensors file deleted. A process killed at any point leaves the
 last complete save readable: the index names a file that exists whole. Opening checks the
-index parses, the file it names exists, and its SHA-256 matches; anything else raises
-``StoreCorrupted`` naming the file.
+index parses and has every field, the file it names exists, its SHA-256 matches and it holds
+every fact's K/V (``FactMemory`` checks that last); each failure raises ``StoreCorrupted``
+naming the file. The index itself carries no checksum: an edit that keeps it valid JSON with
+every field is not detected.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def write_store(path: Path, index: dict[str, Any], tensors: dict[str, torch.Tens
     text = json.dumps(record, indent=1)
     _atomic_write(path / INDEX, lambda tmp: tmp.write_text(text))
     for old in path.glob("facts.*.safetensors"):  # earlier saves, and any a killed save left
-        if old.name != name:
+        if old.name != name:  # (a killed write's temporary file is removed by the next one)
             old.unlink(missing_ok=True)
 
 
@@ -97,8 +99,13 @@ def read_index(path: Path) -> dict[str, Any]:
     except (OSError, ValueError) as error:
         raise StoreCorrupted(f"fact store index {file} cannot be read: {error}") from None
     required = ("version", "serial", "model", "embedder", "facts", "tensors", "sha256")
-    if not isinstance(record, dict) or any(key not in record for key in required):
-        raise StoreCorrupted(f"fact store index {file} lacks {required}")
+    if not isinstance(record, dict):
+        raise StoreCorrupted(
+            f"fact store index {file} holds {type(record).__name__}; expected an object"
+        )
+    missing = [key for key in required if key not in record]
+    if missing:
+        raise StoreCorrupted(f"fact store index {file} lacks {missing}")
     if record["version"] != VERSION:
         raise StoreCorrupted(
             f"fact store index {file} is version {record['version']}; this kvstack reads {VERSION}"

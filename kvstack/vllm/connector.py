@@ -22,8 +22,11 @@ into the request's blocks before the forward pass: the load is synchronous.
 
 vLLM's CPU backend only, whose per-layer cache is [blocks, kv_heads, block_size, 2 * head_dim]:
 per block and head, keys transposed ([head_dim, block_size]) then values ([block_size,
-head_dim]). Prefix caching must be off (``enable_prefix_caching=False``): it would index the
-loaded blocks under the prompt's tokens and hand them to any later prompt with those tokens.
+head_dim]). Prefix caching must be off (``enable_prefix_caching=False``; the connector refuses
+to start otherwise): it would index the loaded blocks under the prompt's tokens and hand them
+to any later prompt with those tokens. A request vLLM preempts and later resumes gets its
+facts loaded again into its new blocks. A store saved for a model of another geometry (layers,
+KV heads, head size, RoPE) is not loaded: the request is prefilled as usual, with a warning.
 """
 
 from __future__ import annotations
@@ -56,6 +59,24 @@ class SavedFacts:
         self.tensors = storage.open_tensors(path, self.index)
         self.token_ids = {f["id"]: list(f["token_ids"]) for f in self.index["facts"]}
         self.prefix_ids = list(self.index.get("prefix_ids", []))
+
+    def mismatch(self, hf_config: Any) -> str | None:
+        """Why this store's K/V cannot serve a model of ``hf_config`` (None: they can). The
+        weights themselves are not compared: the scheduler does not hold them."""
+        from kvstack.facts.memory import rope_description
+
+        config = hf_config.get_text_config(decoder=True)
+        served = {
+            "layers": config.num_hidden_layers,
+            "kv_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            "head_dim": getattr(config, "head_dim", None)
+            or config.hidden_size // config.num_attention_heads,
+            "rope": rope_description(config),
+        }
+        saved = {key: self.index["model"].get(key) for key in served}
+        if saved != served:
+            return f"the store was saved for {saved}; vLLM serves {served}"
+        return None
 
     def covered_tokens(self, fact_ids: list[str], prompt: list[int]) -> int:
         """How many tokens at the start of ``prompt`` are the prefix and then these facts, in
@@ -122,6 +143,11 @@ class FactConnector(KVConnectorBase_V1):
     """See the module docstring."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        if getattr(vllm_config.cache_config, "enable_prefix_caching", False):
+            raise ValueError(
+                "FactConnector needs enable_prefix_caching=False (prefix caching would hand the "
+                "loaded facts' blocks to other prompts with the same tokens); got True"
+            )
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.block_size = vllm_config.cache_config.block_size
         self.hf_config = vllm_config.model_config.hf_config
@@ -144,10 +170,12 @@ class FactConnector(KVConnectorBase_V1):
         if not params:
             return 0, False
         try:
-            covered = self._store(params["store"]).covered_tokens(
-                list(params["facts"]), list(request.prompt_token_ids)
-            )
-        except Exception as error:  # a missing or damaged store: prefill as usual
+            store = self._store(params["store"])
+            mismatch = store.mismatch(self.hf_config)
+            if mismatch is not None:
+                raise ValueError(mismatch)
+            covered = store.covered_tokens(list(params["facts"]), list(request.prompt_token_ids))
+        except Exception as error:  # a missing, damaged or foreign store: prefill as usual
             logger.warning("kvstack facts for %s not loaded: %s", request.request_id, error)
             return 0, False
         if covered == 0:
@@ -180,6 +208,16 @@ class FactConnector(KVConnectorBase_V1):
             if load is not None:
                 load.block_ids = list(new.block_ids[0])
                 meta.loads.append(load)
+        # A request resumed after preemption lost its blocks; the scheduler matched its facts
+        # again (update_state_after_alloc) and lists it among the cached requests, with all of
+        # its new blocks.
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, request_id in enumerate(cached.req_ids):
+            if request_id not in cached.resumed_req_ids or request_id not in self._pending:
+                continue
+            load = self._pending.pop(request_id)
+            load.block_ids = list(cached.new_block_ids[i][0])
+            meta.loads.append(load)
         return meta
 
     def request_finished(self, request: Any, block_ids: list[int]):
