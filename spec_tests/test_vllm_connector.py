@@ -23,22 +23,27 @@ pytestmark = [
 ]
 
 
+def run_in_vllm_venv(script: str, *args: str, env: dict, timeout: int) -> dict:
+    """Run ``spec_tests/<script>`` with the vLLM venv's python; its ``RESULT {json}`` line."""
+    done = subprocess.run(
+        [str(VLLM_PYTHON), str(ROOT / "spec_tests" / script), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        cwd=ROOT,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
 def test_facts_loaded_through_the_connector_skip_prefill_and_keep_vllms_tokens(tmp_path):
     from kvstack.vllm import cpu_environment
 
     env = os.environ | cpu_environment("nobind")  # kvstack is installed in that venv
-    driver = ROOT / "spec_tests" / "vllm_facts_driver.py"
-    done = subprocess.run(
-        [str(VLLM_PYTHON), str(driver), str(tmp_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stderr[-4000:]
-    result = json.loads(lines[-1][len("RESULT ") :])
+    result = run_in_vllm_venv("vllm_facts_driver.py", str(tmp_path), env=env, timeout=600)
     covered = result["covered"]
     assert result["prefilled"]["cached"] == 0
     # The header and the three facts came from the store: vLLM computed only the question.
@@ -64,18 +69,7 @@ def test_the_scheduler_side_reloads_resumed_requests_and_refuses_what_it_cannot_
     """Without an engine: prefix caching is refused, a request resumed after preemption gets
     its facts loaded into its new blocks, and a store of another geometry is not loaded."""
     env = os.environ | {"PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [str(VLLM_PYTHON), str(ROOT / "spec_tests" / "vllm_connector_units.py")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        cwd=ROOT,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stderr[-4000:]
-    result = json.loads(lines[-1][len("RESULT ") :])
+    result = run_in_vllm_venv("vllm_connector_units.py", env=env, timeout=300)
     assert "needs enable_prefix_caching=False" in result["prefix_caching"]
     assert result["resumed_loads"] == [["resumed", [4, 7]]]
     assert result["still_pending"] == ["waiting"]
