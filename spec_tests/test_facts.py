@@ -192,6 +192,17 @@ def test_build_cache_refuses_a_question_without_tokens_and_leaves_the_cache_empt
     assert cache.get_seq_length() == 0
 
 
+def test_build_cache_refuses_a_cache_that_already_holds_tokens_and_leaves_it_unchanged():
+    mem = memory()
+    mem.add(FACTS[0])
+    cache, _ = mem.build_cache("Notes:\n", ["f0"], "Who? ")
+    held = cache.get_seq_length()
+    keys = cache.layers[0].keys.clone()
+    with pytest.raises(InvalidArgumentError, match=f"cache holds {held} tokens"):
+        mem.build_cache("Notes:\n", ["f0"], "Who? ", cache=cache)
+    assert cache.get_seq_length() == held and torch.equal(cache.layers[0].keys, keys)
+
+
 def test_a_fact_keeps_only_its_own_kv_and_w_bounds_the_context_it_was_encoded_after():
     mem = memory(context_turns=2)
     fact_id = mem.add(FACTS[3], context=FACTS[:3])
@@ -266,7 +277,7 @@ def test_a_save_killed_before_its_index_leaves_the_last_good_store(tmp_path, mon
     assert len(memory(path=tmp_path)) == 2  # the index still names the first save's file, whole
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "index"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "index", "edit"])
 def test_a_damaged_store_raises_store_corrupted_naming_the_file(tmp_path, damage):
     mem = memory(path=tmp_path)
     mem.add_many(FACTS)
@@ -278,9 +289,32 @@ def test_a_damaged_store_raises_store_corrupted_naming_the_file(tmp_path, damage
         tensors.write_bytes(bytes(data))
     elif damage == "truncate":
         tensors.write_bytes(tensors.read_bytes()[:100])
-    else:
+    elif damage == "index":
         (tmp_path / "index.json").write_text('{"version": 1, "facts": [')
+    else:  # valid JSON with every field, one fact's text changed: only the checksum tells
+        import json
+
+        index = json.loads((tmp_path / "index.json").read_text())
+        index["facts"][0]["text"] = "The cat is grey."
+        (tmp_path / "index.json").write_text(json.dumps(index))
     with pytest.raises(StoreCorrupted, match="facts.0.safetensors|index.json"):
+        memory(path=tmp_path)
+
+
+def test_a_version_1_store_without_an_index_checksum_still_opens(tmp_path):
+    import json
+
+    mem = memory(path=tmp_path)
+    ids = mem.add_many(FACTS)
+    mem.save()
+    index = json.loads((tmp_path / "index.json").read_text())
+    del index["index_sha256"]
+    (tmp_path / "index.json").write_text(json.dumps(dict(index, version=1)))
+    reopened = memory(path=tmp_path)
+    assert [reopened.facts[f].text for f in ids] == FACTS
+    index["version"] = 2  # a version 2 index must carry its checksum
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    with pytest.raises(StoreCorrupted, match="fails its SHA-256 check"):
         memory(path=tmp_path)
 
 
@@ -306,6 +340,7 @@ def test_a_store_whose_index_names_a_fact_without_kv_raises_store_corrupted(tmp_
     mem.save()
     index = json.loads((tmp_path / "index.json").read_text())
     index["facts"].append(dict(index["facts"][0], id="f99"))
+    index["index_sha256"] = storage_module._record_sha256(index)  # the index itself checks out
     (tmp_path / "index.json").write_text(json.dumps(index))
     with pytest.raises(StoreCorrupted, match=r"names facts \['f99'\] whose K/V"):
         memory(path=tmp_path)

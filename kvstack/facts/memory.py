@@ -344,24 +344,29 @@ class FactMemory:
     def _resident(self, fact_ids: Sequence[str]) -> None:
         """Every fact of ``fact_ids`` has its page, read from the reopened store if needed."""
         missing = [f for f in dict.fromkeys(fact_ids) if f not in self._pages]
+        if not missing:  # the usual case: no need to list the store's tensors
+            return
         saved = set(self._stored.keys()) if self._stored is not None else set()
         lost = [f for f in missing if f"{f}.k" not in saved]
         if lost:
             raise KVStackError(f"facts {lost} have no K/V: neither a page nor the saved store")
-        if missing:
-            self._store_pages(
-                {
-                    f: (self._stored.get_tensor(f"{f}.k"), self._stored.get_tensor(f"{f}.v"))
-                    for f in missing
-                }
-            )
+        self._store_pages(
+            {
+                f: (self._stored.get_tensor(f"{f}.k"), self._stored.get_tensor(f"{f}.v"))
+                for f in missing
+            }
+        )
 
     def kv(self, fact_id: str) -> tuple[torch.Tensor, torch.Tensor]:
         """A fact's stored K/V: keys rotated to position 0 and values, each [L, T, H_kv, D];
         views of its arena page, valid until the arena next allocates or compacts."""
         fact = self._facts([fact_id])[0]
         self._resident([fact_id])
-        page = self._pages[fact_id]
+        return self._page_views(fact)
+
+    def _page_views(self, fact: Fact) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kv(fact.id)`` for a fact whose page is resident."""
+        page = self._pages[fact.id]
         shape = (self.identity["layers"], len(fact.token_ids), self.identity["kv_heads"], -1)
         flat = self.arena.buffer[page.offset : page.end]
         half = page.size // 2
@@ -400,7 +405,7 @@ class FactMemory:
         """The stored K/V of (the prefix and) ``facts`` one after another, keys rotated at
         ``position`` onwards, on the model's device: [L, T, H_kv, D] each."""
         self._resident([f.id for f in facts])  # any read from the store first: views then hold
-        parts = ([self.prefix_kv()] if with_prefix else []) + [self.kv(f.id) for f in facts]
+        parts = ([self.prefix_kv()] if with_prefix else []) + [self._page_views(f) for f in facts]
         device = next(self.model.parameters()).device
         keys = torch.cat([k.to(device) for k, _ in parts], dim=1)  # [L, T, H_kv, D], at 0
         values = torch.cat([v.to(device) for _, v in parts], dim=1)
@@ -443,6 +448,11 @@ class FactMemory:
             # generate() must compute at least the question's last token: with none, the
             # prompt would end inside the injected facts and nothing would give the first token.
             raise InvalidArgumentError(f"question={question!r}; expected text with tokens")
+        if cache is not None and cache.get_seq_length():
+            raise InvalidArgumentError(
+                f"cache holds {cache.get_seq_length()} tokens; build_cache fills an empty cache "
+                "(the prompt it returns starts at position 0)"
+            )
         cache = DynamicCache(config=self.model.config) if cache is None else cache
         ids = self.prompt_ids(header, fact_ids, question)
         device = next(self.model.parameters()).device

@@ -9,8 +9,9 @@ way; only then is the previous tensors file deleted. A process killed at any poi
 last complete save readable: the index names a file that exists whole. Opening checks the
 index parses and has every field, the file it names exists, its SHA-256 matches and it holds
 every fact's K/V (``FactMemory`` checks that last); each failure raises ``StoreCorrupted``
-naming the file. The index itself carries no checksum: an edit that keeps it valid JSON with
-every field is not detected.
+naming the file. The index carries its own checksum too (``index_sha256``: SHA-256 of the
+record without it, as canonical JSON), so an edit that keeps it valid JSON with every field is
+detected as well. Version 1 indexes, written before that checksum, are read without it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from safetensors.torch import save_file
 from kvstack.errors import InvalidArgumentError, StoreCorrupted
 
 INDEX = "index.json"
-VERSION = 1
+VERSION = 2  # 2: the index carries index_sha256
+READS = (1, 2)
 
 
 def _sha256(path: Path) -> str:
@@ -85,11 +87,18 @@ def write_store(path: Path, index: dict[str, Any], tensors: dict[str, torch.Tens
     tensors = {key: t.detach().cpu().clone() for key, t in tensors.items()}
     _atomic_write(path / name, lambda tmp: save_file(tensors, str(tmp)))
     record = dict(index, version=VERSION, serial=serial, tensors=name, sha256=_sha256(path / name))
+    record["index_sha256"] = _record_sha256(record)
     text = json.dumps(record, indent=1)
     _atomic_write(path / INDEX, lambda tmp: tmp.write_text(text))
     for old in path.glob("facts.*.safetensors"):  # earlier saves, and any a killed save left
         if old.name != name:  # (a killed write's temporary file is removed by the next one)
             old.unlink(missing_ok=True)
+
+
+def _record_sha256(record: dict[str, Any]) -> str:
+    """SHA-256 of an index record without its own checksum, as canonical JSON."""
+    body = {key: value for key, value in record.items() if key != "index_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def read_index(path: Path) -> dict[str, Any]:
@@ -106,10 +115,13 @@ def read_index(path: Path) -> dict[str, Any]:
     missing = [key for key in required if key not in record]
     if missing:
         raise StoreCorrupted(f"fact store index {file} lacks {missing}")
-    if record["version"] != VERSION:
+    if record["version"] not in READS:
         raise StoreCorrupted(
-            f"fact store index {file} is version {record['version']}; this kvstack reads {VERSION}"
+            f"fact store index {file} is version {record['version']!r}; this kvstack reads "
+            f"versions {list(READS)}"
         )
+    if record["version"] >= 2 and record.get("index_sha256") != _record_sha256(record):
+        raise StoreCorrupted(f"fact store index {file} fails its SHA-256 check (edited or damaged)")
     return record
 
 
