@@ -721,6 +721,9 @@ def readme_tables(results: dict) -> dict[str, str]:
                 "tangram.max_concurrency",
                 "tangram.throughput",
                 "tangram.quality",
+                "tangram.batched_headwise_decode",
+                "tangram.plan_ms",
+                "tangram.decode_step_ms",
             )
         )
     ]

@@ -332,6 +332,20 @@ def test_a_store_of_another_model_or_embedder_is_refused(tmp_path):
         memory(path=tmp_path, context_turns=2)
 
 
+def test_a_store_is_refused_by_a_model_that_differs_only_outside_its_kv_projections(tmp_path):
+    import copy
+
+    mem = memory(path=tmp_path)
+    mem.add_many(FACTS)
+    mem.save()
+    tuned = copy.deepcopy(tiny_model())  # the same K/V projections, another MLP in layer 0:
+    with torch.no_grad():  # every later layer's K/V changes
+        tuned.model.layers[0].mlp.down_proj.weight.add_(0.01)
+    with pytest.raises(InvalidArgumentError, match="built for another model"):
+        memory(tuned, path=tmp_path)
+    assert len(memory(path=tmp_path)) == len(FACTS)  # the model it was built with reopens it
+
+
 def test_a_store_whose_index_names_a_fact_without_kv_raises_store_corrupted(tmp_path):
     import json
 

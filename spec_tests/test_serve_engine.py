@@ -484,6 +484,64 @@ def test_an_error_mid_step_leaves_no_half_written_cache(model, spec_name, monkey
     assert [h.output_ids for h in handles] == [solo(model, spec_name, i, n) for i, n in requests]
 
 
+class _FailingSampling(Sampling):
+    """Greedy, but the ``fail_at``-th token it draws raises (once)."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        object.__setattr__(self, "fail_at", fail_at)
+
+    def next_token(self, logits: torch.Tensor, index: int) -> int:
+        if index == self.fail_at:
+            object.__setattr__(self, "fail_at", -1)
+            raise RuntimeError("sampling failed")
+        return super().next_token(logits, index)
+
+
+def test_a_sampling_error_leaves_no_request_half_advanced(model):
+    # The second request's sampling fails at its third token, in a step that decodes all three:
+    # the first request, sampled before it, must not have taken that step's token, nor the
+    # third kept K/V it never counted.
+    requests = [(prompt(20 + i, 60 + i), 8) for i in range(3)]
+    serving = engine(model, "paged", 64 * BLOCK_BYTES)
+    handles = [
+        serving.submit(ids, n, sampling=_FailingSampling(2) if i == 1 else None)
+        for i, (ids, n) in enumerate(requests)
+    ]
+    while len(handles[1].output_ids) < 2:
+        serving.step()
+    assert all(len(h.output_ids) == 2 for h in handles)  # the next step decodes all three
+    with pytest.raises(RuntimeError, match="sampling failed"):
+        serving.step()
+    assert all(len(h.output_ids) == 2 for h in handles)
+    assert serving.running == () and serving.arena.bytes_used == 0
+    serving.run()
+    assert [h.output_ids for h in handles] == [solo(model, "paged", i, n) for i, n in requests]
+    assert serving.arena.bytes_used == 0
+
+
+def test_a_lone_request_that_cannot_fit_a_shared_arena_raises_instead_of_spinning(model):
+    from kvstack.errors import ArenaExhausted
+
+    class Other:  # another user of the arena (a fact memory, another engine)
+        def pages_moved(self, moves) -> None:
+            pass
+
+    arena = KVArena(8 * BLOCK_BYTES)
+    held = arena.allocate(Other(), "kv", 7 * BLOCK_BYTES // arena.itemsize)
+    serving = Engine(model, arena, max_batch_tokens=64, prefill_chunk=PREFILL_CHUNK)
+    # Alone it fits the arena; its first chunk (a block in each of 2 layers) does not fit the
+    # one free block.
+    handle = serving.submit(prompt(30, 1), 4)
+    with pytest.raises(ArenaExhausted, match="request 0 needs .*another user of the arena"):
+        serving.step()
+    assert serving.waiting == (handle,) and serving.running == ()
+    assert arena.bytes_used == 7 * BLOCK_BYTES  # only the other user's
+    arena.free(held)
+    serving.run()
+    assert handle.output_ids == solo(model, "paged", prompt(30, 1), 4)
+
+
 def test_a_bad_headwise_spec_is_refused_and_the_arena_untouched(model):
     from kvstack.calibrate import ProfileError
     from kvstack.policies import StreamingLLM
@@ -532,7 +590,17 @@ def test_bad_arguments_are_refused(model):
             serving.submit(bad, 4)
     with pytest.raises(InvalidArgumentError, match="max_new_tokens"):
         serving.submit([1, 2], 0)
+    for bad in (2.0, "2", [2, 2.5]):
+        with pytest.raises(InvalidArgumentError, match="eos_token_id must be token ids"):
+            serving.submit([1, 2], 4, eos_token_id=bad)
+    with pytest.raises(InvalidArgumentError, match="request=5; expected a handle"):
+        serving.cancel(5)
     assert not serving.has_work()
+    with pytest.raises(InvalidArgumentError, match="rule=5; expected a batch rule"):
+        Engine(model, KVArena(64 * BLOCK_BYTES), rule=5)
+    for bad, match in ((0, "swap_bytes=0"), ("lots", "swap_bytes='lots'"), (-1, "swap_bytes")):
+        with pytest.raises(InvalidArgumentError, match=match):
+            Engine(model, KVArena(64 * BLOCK_BYTES), swap_bytes=bad)
 
 
 @pytest.mark.parametrize("name", TINY_HYBRIDS)
@@ -618,15 +686,10 @@ def test_a_hybrid_on_a_tight_arena_is_preempted_and_keeps_its_tokens():
     assert serving.arena.bytes_used == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "known defect, found by review in stop 47: an evicting hybrid request that replays its "
-        "outputs after a preemption is sampled on replay steps of a batched decode "
-        "(Engine._forward_each keeps every row); fix it in kvstack/serve and drop this mark"
-    ),
-)
 def test_an_evicting_hybrid_preempted_on_a_tight_arena_keeps_its_solo_tokens():
+    # An evicting request replays its outputs after a preemption, one decode step each; in a
+    # batched decode (several requests' rows in one forward pass) those replay rows must not
+    # be sampled.
     hybrid = _tiny_hybrid("jamba")
     spec = CacheSpec(policy=H2O(), ratio=0.5, reclaim=False)
     requests = [(prompt(8 + 3 * i, seed=40 + i, vocab=120), 40) for i in range(4)]

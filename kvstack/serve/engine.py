@@ -26,7 +26,10 @@ A step, in order:
 1. **Admission**, FIFO: the oldest waiting request starts when the arena's free bytes, less
    what running requests were promised (the rest of their admission bytes while they prefill;
    then room for ``DECODE_HEADROOM_TOKENS`` more tokens, or for an evicting cache its tables at
-   their budget), hold its ``admission_bytes``. Nobody overtakes it.
+   their budget), hold its ``admission_bytes`` (after a preemption, those of what it must
+   rebuild: its outputs too). Nobody overtakes it. With nothing running it starts at once; if
+   its first step then does not fit the free bytes (a shared arena whose other users hold the
+   rest), the step raises ``ArenaExhausted`` and it waits, first in line.
 2. **Batch**: each running request offers its next work (``scheduler.Work``); the
    ``BatchRule`` orders the offers and the step takes them within ``max_batch_tokens``. With
    a ``step_time_target`` (adaptive chunking, ``kvstack.serve.chunking``) the step takes
@@ -78,7 +81,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionLayer
 
-from kvstack.arena import KVArena
+from kvstack.arena import KVArena, parse_bytes
 from kvstack.errors import ArenaExhausted, InvalidArgumentError
 from kvstack.hf import ATTENTION_NAME
 from kvstack.hf.state_layers import is_state_layer
@@ -199,6 +202,11 @@ class Engine:
         self.step_time_target = check_seconds("step_time_target", step_time_target)
         self.tpot_target = check_seconds("tpot_target", tpot_target)
         self.step_times = StepTimeModel()
+        if rule is not None and not callable(getattr(rule, "order", None)):
+            raise InvalidArgumentError(
+                f"rule={rule!r}; expected a batch rule: an object with order(work, step), such "
+                "as kvstack.serve.PageAwareRule()"
+            )
         self.rule: BatchRule = PageAwareRule() if rule is None else rule
         self._config = cache_config(model.config)
         # A probe cache: checks the spec against this model (budget, ratio, arena dtype and
@@ -236,7 +244,12 @@ class Engine:
                     f"are all full attention, in the kvstack layout; this engine runs {spec} in "
                     f"the {layout} layout" + (" on a hybrid model" if self.hybrid else "")
                 )
-            self.swap = HostSwap(swap_bytes, arena)
+            capacity = parse_bytes("swap_bytes", swap_bytes)
+            if capacity == 0:
+                raise InvalidArgumentError(
+                    "swap_bytes=0; expected a host tier of at least one page (or None: no tier)"
+                )
+            self.swap = HostSwap(capacity, arena)
         # Arena bytes of one request's recurrent-state pages (hybrids): exact sizes, the same for
         # every request of a model; from the config where the model's state shapes are known
         # (``layouts.hybrid_geometry``), else learned from the first request that holds them.
@@ -446,6 +459,10 @@ class Engine:
 
     def cancel(self, request: Request) -> bool:
         """Stop ``request`` and return its pages; False if it had already finished."""
+        if not isinstance(request, Request):
+            raise InvalidArgumentError(
+                f"request={request!r}; expected a handle that Engine.submit returned"
+            )
         if request.done:
             return False
         if request in self._running:
@@ -453,6 +470,7 @@ class Engine:
             self._drop_cache(request)
         elif request in self._waiting:
             self._waiting.remove(request)
+            self._drop_cache(request)
         else:
             raise InvalidArgumentError(f"{request!r} was not submitted to this engine")
         self._finish(request, "cancelled")
@@ -627,15 +645,29 @@ class Engine:
         decodes = sum(work.kind == "decode" for work in batch)
         prefill = sum(work.tokens for work in batch if work.kind != "decode")
         self.step_times.observe(decodes, prefill, seconds)
+        # Every row is sampled before any request changes: a sampling error (a caller's
+        # Sampling, logits it cannot draw from) then leaves no request half-advanced. Each of the
+        # step's requests recomputes, as after a failed forward pass, and the error goes up.
+        try:
+            tokens = [
+                None
+                if row is None or work.request.cache is None
+                else work.request.sampling.next_token(row, len(work.request.output_ids))
+                for work, row in zip(batch, logits, strict=True)
+            ]
+        except BaseException:
+            for work in batch:
+                if work.request.cache is not None:
+                    self._preempt(work.request, swap=False)
+            raise
         produced = []
-        for work, row in zip(batch, logits, strict=True):
+        for work, token in zip(batch, tokens, strict=True):
             request = work.request
             if request.cache is None:  # preempted during the step (hybrid: its own forward)
                 continue
             request.computed += work.tokens
             request.last_scheduled_step = self._step
-            if row is not None:
-                token = request.sampling.next_token(row, len(request.output_ids))
+            if token is not None:
                 request.output_ids.append(token)
                 produced.append((request, [token]))
                 self._after_token(request, token)
@@ -655,13 +687,14 @@ class Engine:
             if request.prefix_kv is not None:
                 try:
                     self._load_prefix(request)
-                except ArenaExhausted:
-                    # The free bytes were there but not in pages it could take: it waits,
-                    # still first in line, for a request to finish.
+                except BaseException as error:
+                    # Its pages go back whatever the error. Out of pages (the free bytes were
+                    # there, but not in pages it could take), it waits, still first in line,
+                    # for a request to finish.
                     self._drop_cache(request)
-                    if not self._running:
-                        raise
-                    return
+                    if isinstance(error, ArenaExhausted) and self._running:
+                        return
+                    raise
             self._waiting.popleft()
             request.admitted_at_step = self._step
             self._running.append(request)
@@ -735,6 +768,19 @@ class Engine:
             ]
             if not victims:
                 return batch[:1]
+            if len(victims) == 1 and victims[0] is first and len(self._running) == 1:
+                # Alone, and its first step does not fit: the rest of the arena is held outside
+                # this engine (a shared arena), and no request of ours can free it. It goes
+                # back to the queue, first, and the caller hears why instead of a step that
+                # never runs anything.
+                need = self.layout.charged(self._step_need(batch[0]))
+                self._preempt(first)
+                raise ArenaExhausted(
+                    f"request {first.id} needs {need} arena bytes for its first step, but the "
+                    f"arena has {self.arena.bytes_free} of {self.arena.capacity_bytes} bytes "
+                    "free and this engine holds none of the rest (another user of the arena "
+                    "does); it waits, first in line, for a step after that memory is freed"
+                )
             self._preempt(self._victim(victims))
 
     def _adaptive_order(self, ordered: list[Work]) -> tuple[list[Work], int]:
@@ -930,7 +976,11 @@ class Engine:
         elif decoding:
             logits = self._forward_decodes([batch[i].request for i in decoding])
             for index, row in zip(decoding, logits, strict=True):
-                rows[index] = row
+                # A replayed output (an evicting request recomputing after a preemption) is
+                # not its newest token: its row is not sampled, as _forward_alone's.
+                request = batch[index].request
+                newest = request.computed + batch[index].tokens == len(request.tokens)
+                rows[index] = row if newest else None
         return rows
 
     def _decodes_in_a_batch(self, work: Work) -> bool:

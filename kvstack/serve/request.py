@@ -186,7 +186,10 @@ def stop_set(eos_token_id: int | Iterable[int] | None, stop_ids: Iterable[int] |
     for name, value in (("eos_token_id", eos_token_id), ("stop_ids", stop_ids)):
         if value is None:
             continue
-        items = [value] if isinstance(value, int) else list(value)
+        if isinstance(value, (int, str, bytes)) or not isinstance(value, Iterable):
+            items = [value]  # one id; a str is not a sequence of ids
+        else:
+            items = list(value)
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in items):
             raise InvalidArgumentError(f"{name} must be token ids (integers >= 0), got {value!r}")
         ids += items

@@ -12,7 +12,9 @@ many bytes taking it would fetch (``fetch_bytes``); taking it may push a newer r
   work first (it fetches nothing), then the non-resident work that fetches the fewest bytes.
   Among equals, the request that has waited longest since it last ran goes first, so a waiting
   prefill ages until it is first. Its fairness bound: a request that has not run for more than
-  ``max_wait`` steps goes before every request that has, wherever its pages are. It looks
+  ``max_wait`` steps goes before every request that has, wherever its pages are. (Under an
+  engine's ``step_time_target`` or ``tpot_target`` the engine puts every decode token first and
+  may hold prefill work back, so the bound then holds among decodes only.) It looks
   ahead (``Outlook``: each request's length is bounded by its ``max_new_tokens``), so that
   what it moves stays moved:
 

@@ -1,7 +1,8 @@
 """``HostSwap``: the host tier a preempted request's pages move to instead of being recomputed.
 
-When the device arena runs out mid-decode, the engine preempts its newest request. Without a
-swap tier the request's pages are dropped and it computes its prompt and outputs again later.
+When the device arena runs out mid-decode, the engine preempts a request: the newest, or with
+a swap tier the one its batch rule picks (``choose_victim``) where the rule defines that. Without
+a swap tier the request's pages are dropped and it computes its prompt and outputs again later.
 With one (``Engine(..., swap_bytes=...)``) its pages are copied to a host arena and the
 request stays running but not resident: the batch rule sees its work as ``resident=False``
 with the bytes it would fetch (``Work.fetch_bytes``), and when a step takes that work the

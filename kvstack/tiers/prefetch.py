@@ -23,18 +23,13 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
-from kvstack.errors import InvalidArgumentError
 from kvstack.tiers.disk import Page, page_nbytes
-from kvstack.tiers.store import TieredStore
+from kvstack.tiers.store import TieredStore, check_count
 
 
 def check_worker_count(workers: object, name: str) -> None:
     """Raise unless ``workers`` (the argument called ``name``) is a whole number >= 0."""
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
-        raise InvalidArgumentError(
-            f"{name}={workers!r}; expected a whole number >= 0 (0: fetch each page when it is "
-            "read, on the thread that reads it)"
-        )
+    check_count(name, workers, "0: fetch each page when it is read, on the thread that reads it")
 
 
 class Prefetcher:

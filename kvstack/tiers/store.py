@@ -164,8 +164,8 @@ class TieredStore:
             )
         if key in self.pages or key in self.dropped:
             raise InvalidArgumentError(f"page key {key!r} is already stored; expected a new key")
-        _check_count("position", position)
-        _check_count("tokens", tokens)
+        check_count("position", position)
+        check_count("tokens", tokens)
         info = PageInfo(key, page_nbytes(page), tier, position=position, tokens=tokens)
         info.stored_at = info.last_used = self.clock
         self._write(tier, info, page)
@@ -252,8 +252,8 @@ class TieredStore:
             )
         if key in self.pages:
             raise InvalidArgumentError(f"page key {key!r} is already stored; expected a new key")
-        _check_count("position", position)
-        _check_count("tokens", tokens)
+        check_count("position", position)
+        check_count("tokens", tokens)
         info = PageInfo(key, nbytes, "disk", position=position, tokens=tokens)
         info.stored_at = info.last_used = self.clock
         self.pages[key] = info
@@ -573,9 +573,13 @@ class TieredStore:
         assert all(not info.copies for info in self.dropped.values())
 
 
-def _check_count(name: str, value: object) -> None:
+def check_count(name: str, value: object, meaning: str = "") -> None:
+    """Raise unless ``value`` (the argument called ``name``) is a whole number >= 0; the error
+    adds ``meaning``, what the number means, where given."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidArgumentError(f"{name}={value!r}; expected a whole number >= 0")
+        raise InvalidArgumentError(
+            f"{name}={value!r}; expected a whole number >= 0" + (f" ({meaning})" if meaning else "")
+        )
 
 
 @dataclass
