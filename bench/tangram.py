@@ -722,8 +722,6 @@ def readme_tables(results: dict) -> dict[str, str]:
                 "tangram.throughput",
                 "tangram.quality",
                 "tangram.batched_headwise_decode",
-                "tangram.plan_ms",
-                "tangram.decode_step_ms",
             )
         )
     ]

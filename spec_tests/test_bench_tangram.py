@@ -94,6 +94,7 @@ def test_the_readme_table_names_the_headline_figures_and_the_calibration():
         "tangram.memory_ratio.headwise",
         "tangram.max_concurrency_ratio",
         "tangram.quality.headwise_minus_uniform",
+        "tangram.batched_headwise_decode",
     )
     results = {
         "figures": {name: dict(figure) for name in names},
@@ -116,6 +117,7 @@ def test_the_readme_table_names_the_headline_figures_and_the_calibration():
     assert "`tangram.overallocation.sorted`" in table and "`tangram.imbalance.aot`" in table
     assert "`tangram.memory_ratio.headwise`" in table and "`tangram.max_concurrency_ratio`" in table
     assert "`tangram.quality.headwise_minus_uniform`" in table
+    assert "`tangram.batched_headwise_decode`" in table
     assert "`tangram.decode_step_ms.dynamic`" not in table  # the record stays in the file
     assert "50 pilot samples of 1024 tokens" in table
 

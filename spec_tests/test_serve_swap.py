@@ -489,7 +489,7 @@ def test_swap_is_refused_where_a_request_cannot_be_swapped(model):
             cache=CacheSpec(policy=H2O(), ratio=0.5),
             swap_bytes="1MiB",
         )
-    with pytest.raises(InvalidArgumentError, match="capacity"):
+    with pytest.raises(InvalidArgumentError, match="swap_bytes='lots' is not a byte count"):
         Engine(model, KVArena(64 * BLOCK_BYTES), swap_bytes="lots")
     with pytest.raises(InvalidArgumentError, match="max_wait"):
         PageAwareRule(max_wait=0)
