@@ -89,6 +89,36 @@ def test_a_next_turn_from_kept_kv_makes_the_tokens_of_computing_its_whole_prompt
     assert engine.arena.bytes_used == 0
 
 
+def test_a_failed_kv_copy_finishes_its_request_and_the_rest_of_the_step_still_commits(
+    model, monkeypatch
+):
+    # Request 0 finishes in a step that also decodes request 1, and copying its K/V out fails:
+    # request 0 ends with its pages back, request 1 keeps that step's token, and runs on to
+    # the tokens it makes alone.
+    engine = serving(model)
+    first = engine.submit(prompt(20, seed=30), 3, keep_kv=True)
+    second = engine.submit(prompt(24, seed=31), 8)
+    alone = serving(model)
+    expected = alone.submit(prompt(24, seed=31), 8)
+    alone.run()
+    while len(first.output_ids) < 2:
+        engine.step()
+
+    def fail(request) -> None:
+        raise MemoryError("host full")
+
+    monkeypatch.setattr(engine, "_copy_kv_out", fail)
+    produced_before = len(second.output_ids)
+    with pytest.raises(MemoryError, match="host full"):
+        engine.step()
+    monkeypatch.undo()
+    assert first.done and first.kept_kv is None and first not in engine.running
+    assert len(second.output_ids) == produced_before + 1
+    engine.run()
+    assert second.output_ids == expected.output_ids
+    assert engine.arena.bytes_used == 0
+
+
 def test_keep_kv_on_an_evicting_cache_is_refused_and_changes_nothing(model):
     engine = Engine(model, KVArena(64 * BLOCK_BYTES), cache=CacheSpec(policy=H2O(), ratio=0.5))
     with pytest.raises(InvalidArgumentError, match="keep_kv needs the lossless cache"):

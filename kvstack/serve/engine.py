@@ -661,6 +661,7 @@ class Engine:
                     self._preempt(work.request, swap=False)
             raise
         produced = []
+        failure: BaseException | None = None
         for work, token in zip(batch, tokens, strict=True):
             request = work.request
             if request.cache is None:  # preempted during the step (hybrid: its own forward)
@@ -670,8 +671,17 @@ class Engine:
             if token is not None:
                 request.output_ids.append(token)
                 produced.append((request, [token]))
-                self._after_token(request, token)
+                try:
+                    self._after_token(request, token)
+                except BaseException as error:
+                    # A finishing request's K/V copy (keep_kv) failed: it is finished and its
+                    # pages are back (_finish_running). The rest of the step still commits, so
+                    # no other request is left half-advanced; then the error goes up.
+                    failure = failure if failure is not None else error
+                    continue
             self._track_peak(request)
+        if failure is not None:
+            raise failure
         return produced
 
     def _admit(self) -> None:
