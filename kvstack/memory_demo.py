@@ -104,7 +104,7 @@ def run_memory_demo(
     from transformers import DynamicCache
 
     from kvstack.bench.conversations import generate_conversations, score
-    from kvstack.facts import FactMemory
+    from kvstack.facts.memory import FactMemory, cache_keyword
     from kvstack.models import load_smollm2
 
     evaluation = (
@@ -137,10 +137,10 @@ def run_memory_demo(
         with torch.inference_mode():
             start = time.perf_counter()
             cache, ids = memory.build_cache(header, fact_ids, tail)
-            model(ids[:, cache.get_seq_length() :], past_key_values=cache)
+            model(ids[:, cache.get_seq_length() :], **{cache_keyword(model): cache})
             ttfts["inject"].append(time.perf_counter() - start)
             start = time.perf_counter()
-            model(ids, past_key_values=DynamicCache(config=model.config))
+            model(ids, **{cache_keyword(model): DynamicCache(config=model.config)})
             ttfts["prefill"].append(time.perf_counter() - start)
             cache, ids = memory.build_cache(header, fact_ids, tail)
             with warnings.catch_warnings():

@@ -477,6 +477,17 @@ def test_a_saved_memory_releases_its_pages_and_reads_them_back_on_use(tmp_path):
     mem.save()  # and it can be saved
     mem.release()
     assert mem.bytes_held == 0
+    # Saving again writes the released facts from the store, without taking arena pages.
+    allocate = mem.arena.allocate
+    mem.arena.allocate = lambda *a, **k: pytest.fail("save() allocated an arena page")
+    try:
+        mem.save()
+    finally:
+        mem.arena.allocate = allocate
+    reopened = FactMemory(mem.model, mem.tokenizer, embedder=word_embedder, path=tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(reopened.kv(late), late_kv, strict=True)) and all(
+        torch.equal(a, b) for a, b in zip(reopened.kv(ids[2]), before, strict=True)
+    )
     unsaved = memory()
     unsaved.add(FACTS[0])
     held = unsaved.bytes_held

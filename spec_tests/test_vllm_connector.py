@@ -67,7 +67,8 @@ def test_facts_loaded_through_the_connector_skip_prefill_and_keep_vllms_tokens(t
 
 def test_the_scheduler_side_reloads_resumed_requests_and_refuses_what_it_cannot_serve():
     """Without an engine: prefix caching is refused, a request resumed after preemption gets
-    its facts loaded into its new blocks, and a store of another geometry is not loaded."""
+    its facts loaded into its new blocks, a store of another geometry is not loaded, and a load
+    that fails on the worker is reported by its blocks instead of raising."""
     env = os.environ | {"PYTHONPATH": str(ROOT)}
     result = run_in_vllm_venv("vllm_connector_units.py", env=env, timeout=300)
     assert "needs enable_prefix_caching=False" in result["prefix_caching"]
@@ -75,3 +76,6 @@ def test_the_scheduler_side_reloads_resumed_requests_and_refuses_what_it_cannot_
     assert result["still_pending"] == ["waiting"]
     assert result["same_model"] is None
     assert "'layers': 2" in result["other_model"] and "'layers': 3" in result["other_model"]
+    # A worker-side load that fails is reported by its blocks, once, and does not raise.
+    assert result["failed_blocks"] == result["gone_blocks"] and result["failed_again"] == []
+    assert result["good_written"]

@@ -14,7 +14,7 @@ def main() -> None:
     from transformers import LlamaForCausalLM
 
     from kvstack.facts import FactMemory
-    from kvstack.vllm.connector import FactConnector, FactLoad, SavedFacts
+    from kvstack.vllm.connector import FactConnector, FactConnectorMetadata, FactLoad, SavedFacts
     from spec_tests.tiny import tiny_llama_config
 
     class ByteTokenizer:  # one token per byte (spec_tests.test_facts' tokenizer)
@@ -62,6 +62,30 @@ def main() -> None:
         store = SavedFacts(path)
         results["same_model"] = store.mismatch(model.config)
         results["other_model"] = store.mismatch(tiny_llama_config(num_hidden_layers=3))
+
+        # The worker side: a load whose store is gone since scheduling does not raise (that
+        # would stop vLLM's worker); its blocks are reported once, and the other load is
+        # written. Caches in vLLM's CPU layout [blocks, H_kv, block_size, 2 * D].
+        worker = FactConnector.__new__(FactConnector)
+        worker.block_size, worker.hf_config, worker._rotary = 4, model.config, None
+        worker._stores, worker._failed_blocks = {}, set()
+        heads = model.config.num_key_value_heads
+        head_dim = model.config.hidden_size // model.config.num_attention_heads
+        (fact_id,) = memory.facts
+        tokens = len(memory.facts[fact_id].token_ids)
+        used = -(-tokens // 4)  # blocks of 4 tokens each load writes
+        worker._caches = [torch.zeros(2 * used + 1, heads, 4, 2 * head_dim) for _ in range(2)]
+        good = FactLoad("good", path, [fact_id], 0, tokens, block_ids=list(range(used)))
+        gone_blocks = list(range(used + 1, 2 * used + 1))
+        gone = FactLoad("gone", f"{path}/gone", [fact_id], 0, tokens, block_ids=gone_blocks)
+        worker.bind_connector_metadata(FactConnectorMetadata(loads=[gone, good]))
+        worker.start_load_kv(None)
+        results["failed_blocks"] = sorted(worker.get_block_ids_with_load_errors())
+        results["failed_again"] = sorted(worker.get_block_ids_with_load_errors())
+        results["gone_blocks"] = gone_blocks
+        written = [bool(c[:used].abs().sum(dim=(1, 2, 3)).gt(0).all()) for c in worker._caches]
+        untouched = [bool(c[used:].eq(0).all()) for c in worker._caches]
+        results["good_written"] = all(written) and all(untouched)
     print("RESULT " + json.dumps(results))
 
 

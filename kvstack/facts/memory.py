@@ -34,6 +34,7 @@ lossless ``PagedCache`` (on the memory's arena or any other).
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -112,6 +113,17 @@ def model_identity(model: Any) -> dict[str, Any]:
 def rope_description(config: Any) -> str:
     """The text config's RoPE parameters, as a store records them."""
     return repr(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None))
+
+
+def cache_keyword(model: Any) -> str:
+    """The name ``model``'s ``forward`` takes its cache by: transformers 5.24 renamed
+    ``past_key_values`` to ``cache`` (the old name still works there, with a FutureWarning, and
+    is the only one before)."""
+    return (
+        "cache"
+        if "cache" in inspect.signature(type(model).forward).parameters
+        else ("past_key_values")
+    )
 
 
 class FactMemory:
@@ -282,7 +294,9 @@ class FactMemory:
         back to position 0: ([L, T, H_kv, D], [L, T, H_kv, D])."""
         device = next(self.model.parameters()).device
         cache = DynamicCache(config=self.model.config)
-        self.model(torch.tensor([context_ids + ids], device=device), past_key_values=cache)
+        self.model(
+            torch.tensor([context_ids + ids], device=device), **{cache_keyword(self.model): cache}
+        )
         start = len(context_ids)
         # Each layer's slice [1, H_kv, T, D] -> [T, H_kv, D], stacked over layers.
         keys = torch.stack([layer.keys[0, :, start:].transpose(0, 1) for layer in cache.layers])
@@ -466,7 +480,9 @@ class FactMemory:
         )
         if header:
             self.model(
-                torch.tensor([header_ids], device=device), past_key_values=cache, use_cache=True
+                torch.tensor([header_ids], device=device),
+                use_cache=True,
+                **{cache_keyword(self.model): cache},
             )
         at = cache.get_seq_length()  # where the facts go
         self.inject(cache, fact_ids)
@@ -499,9 +515,9 @@ class FactMemory:
         self.model(
             torch.tensor([[ids[p] for p in positions]], device=device),
             position_ids=chosen[None],
-            past_key_values=cache,
             attention_mask=mask[None, None],  # [1, 1, S, held + S]
             use_cache=True,
+            **{cache_keyword(self.model): cache},
         )
         for layer in cache.layers:  # [1, H_kv, held + S, D]: the new entries over the old
             keys, values = layer.keys.clone(), layer.values.clone()
@@ -542,10 +558,21 @@ class FactMemory:
         tensors = {"vectors": self._vectors}
         if self.prefix_ids:
             tensors["prefix.k"], tensors["prefix.v"] = self.prefix_kv()
-        self._resident(list(self.facts))
-        for fact_id in self.facts:
-            keys, values = self.kv(fact_id)
-            tensors[f"{fact_id}.k"], tensors[f"{fact_id}.v"] = keys, values
+        saved = set(self._stored.keys()) if self._stored is not None else set()
+        lost = [f for f in self.facts if f not in self._pages and f"{f}.k" not in saved]
+        if lost:
+            raise KVStackError(f"facts {lost} have no K/V: neither a page nor the saved store")
+        for fact_id, fact in self.facts.items():
+            # A released fact is written from the store it was read from, not brought back into
+            # the arena first: saving a memory takes none of the arena's pages.
+            tensors[f"{fact_id}.k"], tensors[f"{fact_id}.v"] = (
+                self._page_views(fact)
+                if fact_id in self._pages
+                else (
+                    self._stored.get_tensor(f"{fact_id}.k"),
+                    self._stored.get_tensor(f"{fact_id}.v"),
+                )
+            )
         index = {
             "model": self.identity,
             "embedder": {"name": self.embedder_name, "dim": int(self._vectors.shape[1])},

@@ -633,9 +633,7 @@ class Engine:
             # Some layers may hold this step's K/V and others not: no cache of the step can be
             # continued. Each of its requests recomputes (its tokens are kept), and an error
             # the engine cannot absorb is raised with the engine consistent.
-            for work in batch:
-                if work.request.cache is not None:
-                    self._preempt(work.request, swap=False)
+            self._recompute_all(batch)
             # The bound in _step_need makes running out here unexpected; with other requests
             # left to free pages, recomputing is the remedy. Anything else is the caller's.
             if isinstance(error, ArenaExhausted) and len(batch) > 1:
@@ -656,9 +654,7 @@ class Engine:
                 for work, row in zip(batch, logits, strict=True)
             ]
         except BaseException:
-            for work in batch:
-                if work.request.cache is not None:
-                    self._preempt(work.request, swap=False)
+            self._recompute_all(batch)
             raise
         produced = []
         failure: BaseException | None = None
@@ -683,6 +679,14 @@ class Engine:
         if failure is not None:
             raise failure
         return produced
+
+    def _recompute_all(self, batch: list[Work]) -> None:
+        """After a step that failed part-way: preempt every request of ``batch`` still holding
+        a cache, without swapping (its K/V may be half-written), so each recomputes later from
+        the tokens it has."""
+        for work in batch:
+            if work.request.cache is not None:
+                self._preempt(work.request, swap=False)
 
     def _admit(self) -> None:
         while self._waiting:

@@ -26,7 +26,11 @@ head_dim]). Prefix caching must be off (``enable_prefix_caching=False``; the con
 to start otherwise): it would index the loaded blocks under the prompt's tokens and hand them
 to any later prompt with those tokens. A request vLLM preempts and later resumes gets its
 facts loaded again into its new blocks. A store saved for a model of another geometry (layers,
-KV heads, head size, RoPE) is not loaded: the request is prefilled as usual, with a warning.
+KV heads, head size, RoPE) is not loaded: the request is prefilled as usual, with a warning. A
+load that fails on the worker (the store deleted or damaged after the scheduler matched it)
+does not stop the worker: its blocks are reported through ``get_block_ids_with_load_errors``,
+and vLLM's ``kv_load_failure_policy`` fails the request ("fail", the default) or recomputes its
+tokens ("recompute").
 """
 
 from __future__ import annotations
@@ -155,6 +159,7 @@ class FactConnector(KVConnectorBase_V1):
         self._pending: dict[str, FactLoad] = {}  # scheduler: loads awaiting their blocks
         self._caches: list[torch.Tensor] = []  # worker: the layers' caches, in layer order
         self._rotary: Any = None
+        self._failed_blocks: set[int] = set()  # worker: blocks of loads that failed
 
     def _store(self, path: str) -> SavedFacts:
         """The store at ``path``, read again when its index changed (a later save)."""
@@ -245,20 +250,42 @@ class FactConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         for load in meta.loads:
-            keys, values = self._store(load.store).kv(
-                load.facts, load.start, load.end, self._rotary_embedding()
+            try:
+                self._load(load)
+            except Exception as error:  # a store deleted, damaged or replaced since scheduling
+                # Raising here would stop vLLM's worker, and every request with it. vLLM's
+                # contract is to report the blocks: its kv_load_failure_policy then fails this
+                # request ("fail", the default) or recomputes the tokens ("recompute").
+                logger.warning("kvstack facts for %s not loaded: %s", load.request_id, error)
+                self._failed_blocks.update(self._blocks_of(load).tolist())
+
+    def _blocks_of(self, load: FactLoad) -> torch.Tensor:
+        """The block of each position [start, end) the load writes: [end - start]."""
+        positions = torch.arange(load.start, load.end)
+        return torch.tensor(load.block_ids, dtype=torch.long)[positions // self.block_size]
+
+    def _load(self, load: FactLoad) -> None:
+        """Write one request's facts into its blocks: everything is read and checked first, so
+        a failure writes nothing."""
+        keys, values = self._store(load.store).kv(
+            load.facts, load.start, load.end, self._rotary_embedding()
+        )
+        if keys.shape[0] != len(self._caches):
+            raise ValueError(
+                f"the store holds {keys.shape[0]} layers; this model has {len(self._caches)}"
             )
-            if keys.shape[0] != len(self._caches):
-                raise ValueError(
-                    f"the store holds {keys.shape[0]} layers; this model has {len(self._caches)}"
-                )
-            positions = torch.arange(load.start, load.end)
-            blocks = torch.tensor(load.block_ids)[positions // self.block_size]
-            offsets = positions % self.block_size
-            for layer, cache in enumerate(self._caches):
-                cache_keys, cache_values = _cpu_cache_views(cache)
-                cache_keys[blocks, :, :, offsets] = keys[layer].to(cache.dtype)  # [T, H, D]
-                cache_values[blocks, :, offsets] = values[layer].to(cache.dtype)
+        blocks = self._blocks_of(load)
+        offsets = torch.arange(load.start, load.end) % self.block_size
+        for layer, cache in enumerate(self._caches):
+            cache_keys, cache_values = _cpu_cache_views(cache)
+            cache_keys[blocks, :, :, offsets] = keys[layer].to(cache.dtype)  # [T, H, D]
+            cache_values[blocks, :, offsets] = values[layer].to(cache.dtype)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """The blocks of loads that failed since the last call (vLLM asks after each forward
+        pass; a synchronous load's failures are reported in the pass that found them)."""
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loaded whole in start_load_kv
