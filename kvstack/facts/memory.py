@@ -119,11 +119,8 @@ def cache_keyword(model: Any) -> str:
     """The name ``model``'s ``forward`` takes its cache by: transformers 5.24 renamed
     ``past_key_values`` to ``cache`` (the old name still works there, with a FutureWarning, and
     is the only one before)."""
-    return (
-        "cache"
-        if "cache" in inspect.signature(type(model).forward).parameters
-        else ("past_key_values")
-    )
+    parameters = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 class FactMemory:
