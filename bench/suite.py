@@ -254,8 +254,13 @@ def format_value(value: float, unit: str) -> str:
     return f"{value:.3g}"
 
 
-def target_text(target: Mapping[str, Any] | None) -> str:
-    return "" if target is None else f"{target['comparison']} {target['value']:g}"
+def target_text(target: Mapping[str, Any] | None, unit: str = "ratio") -> str:
+    """The target in the figure's own unit (a percent figure's target as a percent), so the
+    two columns read alike."""
+    if target is None:
+        return ""
+    value = format_value(target["value"], unit) if unit == "percent" else f"{target['value']:g}"
+    return f"{target['comparison']} {value}"
 
 
 def met_text(met: bool | None) -> str:
@@ -268,7 +273,7 @@ def figure_table(results: Mapping[str, Any], names: Sequence[str]) -> str:
     for name in names:
         f = results["figures"][name]
         rows.append(
-            f"| `{name}` | {format_value(f['value'], f['unit'])} | {target_text(f['target'])} "
+            f"| `{name}` | {format_value(f['value'], f['unit'])} | {target_text(f['target'], f['unit'])} "
             f"| {met_text(f['met'])} |"
         )
     return "\n".join(rows)

@@ -9,13 +9,16 @@ From that profile:
   (each group's table sized by its largest budget) beyond the sum of the budgets, as a fraction
   of it, for heads sorted by budget and for adjacent heads (target <= 2 % sorted; Tangram:
   42.7 % -> 2.9 %). A count from the budgets before block rounding: no ragged pages hold these
-  groups yet, so these are not bytes. Per group size in ``.hp{n}``.
+  groups yet, so these are not bytes. Per group size in ``.hp{n}``; a group of every head of a
+  layer is one figure, ``tangram.overallocation.hp{n}`` (order cannot change it).
 * ``tangram.imbalance.{aot,per_step}``: max / mean keys per worker when one layer's decode
   attention over the sorted groups runs on ``WORKERS`` workers (an H200's multiprocessors),
   its splits handed out in launch order, averaged over layers. ``aot`` runs Tangram's static
-  work list (``head_groups.plan_ahead_of_time``, made once from the profile); ``per_step`` the
-  FlashInfer-style planner that cuts the batch's exact work into one wave at every step, at
-  the same key granularity (``.block16``: cutting whole pages). The
+  work list (``head_groups.plan_ahead_of_time``, made once from the profile), each split
+  reading its share of a table in whole keys as the ragged attention cuts it
+  (``Split.keys``); ``per_step`` the FlashInfer-style planner that cuts the batch's exact work
+  into one wave at every step. Both count whole keys of the same tables (``.block16``: tables
+  in whole pages of 16 keys). The
   batch is the serving trace's ``BATCH`` requests at their full lengths (prompt and output);
   ``.b1`` is one request at a time, averaged over the trace (target <= 1.05 for AoT).
 * ``tangram.plan_time_fraction.{aot,per_step}``: planning time per decode step over every
@@ -132,7 +135,9 @@ def layer_imbalances(
 ) -> dict[str, list[float]]:
     """Per layer, max / mean keys per worker of one decode attention over ``lengths``: with the
     ahead-of-time work list (every split applied to every sequence, in launch order) and with
-    the per-step planner."""
+    the per-step planner. Both count the whole keys a piece reads, tables rounded up to
+    ``block_size`` keys the same way: the AoT split's share of its table as the ragged attention
+    cuts it (``Split.keys``), the per-step planner's pieces of the same tables."""
     from kvstack.head_groups import (
         imbalance,
         plan_ahead_of_time,
@@ -143,7 +148,7 @@ def layer_imbalances(
     plan = plan_ahead_of_time(groups, workers)
     result: dict[str, list[float]] = {"aot": [], "per_step": []}
     for layer, splits in enumerate(plan):
-        works = [split.work(groups, length) for length in lengths for split in splits]
+        works = [split.keys(groups, length, block_size) for length in lengths for split in splits]
         result["aot"].append(imbalance(run_in_launch_order(works, workers)))
         pieces = plan_per_step(groups[layer], lengths, workers, block_size)
         result["per_step"].append(imbalance(run_in_launch_order(pieces, workers)))
@@ -241,8 +246,18 @@ def _measure(quick: bool, log: Callable[[str], None]) -> Measured:
 
     group_sizes = sorted({HEADS_PER_GROUP, *range(2, heads + 1)})
     for size in group_sizes:
+        suffix = "" if size == HEADS_PER_GROUP else f".hp{size}"
+        if size >= heads:
+            # One group holds every head of a layer: in whatever order, it is the same group,
+            # so one figure, not a sorted and an adjacent one equal by construction.
+            figures[f"tangram.overallocation{suffix}"] = Figure(
+                overallocations(budgets, size)["sorted"],
+                "percent",
+                f"one group of all {heads} heads per layer (order cannot matter): reservation "
+                "beyond the sum of the budgets, before block rounding (not bytes)",
+            )
+            continue
         for order, value in overallocations(budgets, size).items():
-            suffix = "" if size == HEADS_PER_GROUP else f".hp{size}"
             figures[f"tangram.overallocation.{order}{suffix}"] = Figure(
                 value,
                 "percent",
@@ -255,22 +270,24 @@ def _measure(quick: bool, log: Callable[[str], None]) -> Measured:
     trace = draw_trace(batch, seed=TRACE_SEED, max_context=MAX_CONTEXT)
     lengths = [r.prompt_tokens + r.output_tokens for r in trace]
     groups = group_heads(budgets, HEADS_PER_GROUP, "sorted")
-    # Both planners cut at key granularity (AoT splits are fractions of a sequence); the
-    # per-step planner also at the page size, for the record.
+    # Both planners count whole keys (an AoT split reads its share of a table cut at whole
+    # keys, as the ragged attention cuts it); also with tables in whole pages, for the record.
     at_once = layer_imbalances(groups, lengths, WORKERS, 1)
     alone = [layer_imbalances(groups, [length], WORKERS, 1) for length in lengths]
     paged = layer_imbalances(groups, lengths, WORKERS, BLOCK_SIZE)
-    figures[f"tangram.imbalance.per_step.block{BLOCK_SIZE}"] = Figure(
-        statistics.mean(paged["per_step"]),
-        "ratio",
-        f"the per-step planner cutting whole pages of {BLOCK_SIZE} keys, batch {batch}",
-    )
+    for kind in ("aot", "per_step"):
+        figures[f"tangram.imbalance.{kind}.block{BLOCK_SIZE}"] = Figure(
+            statistics.mean(paged[kind]),
+            "ratio",
+            f"the same with every table in whole pages of {BLOCK_SIZE} keys ({kind}), batch "
+            f"{batch}",
+        )
     for kind in ("aot", "per_step"):
         figures[f"tangram.imbalance.{kind}"] = Figure(
             statistics.mean(at_once[kind]),
             "ratio",
-            f"max / mean keys per worker, {WORKERS} workers, the trace's {batch} requests in "
-            "one decode step, mean over layers",
+            f"max / mean whole keys per worker, {WORKERS} workers, the trace's {batch} requests "
+            "in one decode step, mean over layers",
             ("<=", 1.05) if kind == "aot" else None,
         )
         figures[f"tangram.imbalance.{kind}.b1"] = Figure(
@@ -564,9 +581,12 @@ def measure_engine_trace(
                 model, 2 * serve_bench.full_kv_bytes(model, warm) + largest, spec, warm
             )
     tries: dict[str, list[Any]] = {label: [] for label in specs}
+    labels = list(specs)
     for repeat in range(1 if quick else ENGINE_REPEATS):
-        for label, spec in specs.items():
-            run = serve_bench.run_trace(model, capacity, spec, requests)
+        # Each repeat starts with the other cache: neither always runs first, after the
+        # other's allocations or on a machine that has just been idle.
+        for label in labels[repeat % 2 :] + labels[: repeat % 2]:
+            run = serve_bench.run_trace(model, capacity, specs[label], requests)
             tries[label].append(run)
             log(
                 f"  {label} {repeat + 1}: {run.peak_generating} at most generating, "
@@ -595,7 +615,8 @@ def measure_engine_trace(
         "tangram.throughput_ratio": Figure(
             throughput["headwise"] / throughput["full"],
             "ratio",
-            "output tokens/s, the same runs (medians of alternating repeats)",
+            "output tokens/s, the same runs (medians of repeats, each starting with the other "
+            "cache)",
             (">=", 2.6),
         ),
     }

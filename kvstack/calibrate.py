@@ -62,14 +62,17 @@ def model_identity(config: Any) -> dict[str, Any]:
     profile must match) and a hash of its whole config (which tells two checkpoints apart only
     when their configs differ)."""
     text = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else "{}"
-    num_heads = config.num_attention_heads
+    # A composite config (a vision-language model's, say) keeps the decoder's geometry in its
+    # text config; the hash still covers the whole config.
+    decoder = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    num_heads = decoder.num_attention_heads
     return {
         "model_type": getattr(config, "model_type", None),
         "name_or_path": getattr(config, "_name_or_path", None) or None,
-        "num_hidden_layers": config.num_hidden_layers,
+        "num_hidden_layers": decoder.num_hidden_layers,
         "num_attention_heads": num_heads,
-        "num_key_value_heads": getattr(config, "num_key_value_heads", None) or num_heads,
-        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+        "num_key_value_heads": getattr(decoder, "num_key_value_heads", None) or num_heads,
+        "head_dim": getattr(decoder, "head_dim", None) or decoder.hidden_size // num_heads,
         "config_sha256": hashlib.sha256(text.encode()).hexdigest(),
     }
 
@@ -88,6 +91,39 @@ class HeadProfile:
 
     def __post_init__(self) -> None:
         check_budgets(self.budgets)
+        shape = (len(self.budgets), len(self.budgets[0]))
+        for name in ("mean", "std"):
+            table = getattr(self, name)
+            if len(table) != shape[0] or any(len(row) != shape[1] for row in table):
+                raise InvalidArgumentError(
+                    f"{name} has {[len(row) for row in table]} heads per layer; expected "
+                    f"{shape[0]} layers of {shape[1]} like budgets"
+                )
+        if not (isinstance(self.ratio, float) and 0.0 < self.ratio <= 1.0):
+            raise InvalidArgumentError(f"ratio={self.ratio!r}; expected a fraction in (0, 1]")
+        if not (isinstance(self.alpha, float) and math.isfinite(self.alpha) and self.alpha >= 0):
+            raise InvalidArgumentError(f"alpha={self.alpha!r}; expected a finite number >= 0")
+        if not isinstance(self.calibration, dict):
+            raise InvalidArgumentError(
+                f"calibration={self.calibration!r}; expected a dict of how it was made"
+            )
+        # The model's geometry is what check_model compares: it must be there and agree with
+        # the budgets' own shape, or a profile could pass the check and not fit.
+        if not isinstance(self.model, dict):
+            raise InvalidArgumentError(f"model={self.model!r}; expected model_identity()'s dict")
+        geometry = {
+            "num_hidden_layers": shape[0],
+            "num_key_value_heads": shape[1],
+            "head_dim": None,
+        }
+        for key, expected in geometry.items():
+            value = self.model.get(key)
+            if not (isinstance(value, int) and value >= 1):
+                raise InvalidArgumentError(f"model[{key!r}]={value!r}; expected an int >= 1")
+            if expected is not None and value != expected:
+                raise InvalidArgumentError(
+                    f"model[{key!r}]={value}; expected {expected}, the budgets' shape"
+                )
 
     @property
     def num_layers(self) -> int:
@@ -104,9 +140,10 @@ class HeadProfile:
         return sum(budgets) / len(budgets)
 
     def check_model(self, config: Any) -> None:
-        """Raise ProfileError unless ``config`` has this profile's layers and KV heads."""
+        """Raise ProfileError unless ``config`` has this profile's layers, KV heads and head
+        size."""
         theirs = model_identity(config)
-        for key in ("num_hidden_layers", "num_key_value_heads"):
+        for key in ("num_hidden_layers", "num_key_value_heads", "head_dim"):
             if theirs[key] != self.model[key]:
                 raise ProfileError(
                     f"profile was made for a model with {key}={self.model[key]} "
@@ -133,8 +170,12 @@ class HeadProfile:
         failed write leaves an existing file as it was."""
         path = Path(path)
         temporary = path.with_name(path.name + ".tmp")
-        temporary.write_text(json.dumps(self.to_json(), indent=1) + "\n", encoding="utf-8")
-        os.replace(temporary, path)
+        try:
+            temporary.write_text(json.dumps(self.to_json(), indent=1) + "\n", encoding="utf-8")
+            os.replace(temporary, path)
+        except BaseException:
+            temporary.unlink(missing_ok=True)  # a failed write leaves no half file beside it
+            raise
 
     @classmethod
     def from_json(cls, data: Any, where: str = "profile") -> HeadProfile:
@@ -154,6 +195,9 @@ class HeadProfile:
         ]
         if missing:
             raise ProfileError(f"{where} lacks {missing}")
+        for key in ("ratio", "alpha"):
+            if isinstance(data[key], bool) or not isinstance(data[key], (int, float)):
+                raise ProfileError(f"{where}: {key}={data[key]!r}; expected a number")
         try:
             return cls(
                 budgets=_table(data["budgets"], "budgets", where),
@@ -161,8 +205,8 @@ class HeadProfile:
                 std=_table(data["std"], "std", where),
                 ratio=float(data["ratio"]),
                 alpha=float(data["alpha"]),
-                model=dict(data["model"]),
-                calibration=dict(data["calibration"]),
+                model=data["model"],
+                calibration=data["calibration"],
             )
         except InvalidArgumentError as error:
             raise ProfileError(f"{where}: {error}") from None
@@ -237,11 +281,11 @@ def adakv_shares(scores: torch.Tensor, ratio: float, floor: float) -> torch.Tens
     total = round(ratio * n * num_heads)
     per_head_floor = min(n, math.floor(floor * ratio * n))
     ranked = scores.sort(dim=1, descending=True).values  # [H_kv, n]
-    counts = torch.full((num_heads,), per_head_floor, dtype=torch.long)
+    counts = torch.full((num_heads,), per_head_floor, dtype=torch.long, device=scores.device)
     rest = total - per_head_floor * num_heads
     if rest > 0:
         candidates = ranked[:, per_head_floor:]  # [H_kv, n - floor]: keys not yet kept
-        owner = torch.arange(num_heads).unsqueeze(1).expand_as(candidates)
+        owner = torch.arange(num_heads, device=scores.device).unsqueeze(1).expand_as(candidates)
         best = candidates.flatten().topk(rest).indices
         counts += torch.bincount(owner.flatten()[best], minlength=num_heads)
     return counts.float() / n
@@ -370,12 +414,13 @@ def sample_shares(
     handles = [module.register_forward_hook(hook) for module in modules]
     try:
         model.set_attn_implementation("eager")
-        model(input_ids=input_ids, use_cache=False)
+        # Pilot samples are built on the CPU; the pass runs where the model's weights are.
+        model(input_ids=input_ids.to(next(model.parameters()).device), use_cache=False)
     finally:
         for handle in handles:
             handle.remove()
         model.set_attn_implementation(previous)
-    return torch.stack([s for s in shares if s is not None])  # [L, H_kv]
+    return torch.stack([s for s in shares if s is not None]).cpu()  # [L, H_kv]: few numbers
 
 
 def calibrate(

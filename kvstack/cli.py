@@ -23,6 +23,7 @@ so ``kvstack ops`` and ``--help`` stay quick.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from collections.abc import Callable, Sequence
@@ -344,6 +345,11 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         )
     except InvalidArgumentError as error:
         args.calibrate_parser.error(str(error))
+    # The profile is written after minutes of calibration: a path it could never be written to
+    # is a usage error now, not a traceback then.
+    out_problem = _unwritable_file(args.out)
+    if out_problem:
+        args.calibrate_parser.error(f"--out {str(args.out)!r}: {out_problem}")
     model, tokenizer, name = load_model(args.model_path)
     samples = pilot_samples(tokenizer, args.samples, args.sample_tokens, seed=args.seed)
     with tqdm(total=len(samples), desc=f"calibrating {name}", unit="sample") as bar:
@@ -365,6 +371,19 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         f"min {stability['spearman_min']:.3f}"
     )
     return 0
+
+
+def _unwritable_file(path: Path) -> str | None:
+    """Why a file could not be written at ``path`` (None: it could): a directory there, or a
+    folder that is missing or not writable (the file and its temporary sit in that folder)."""
+    if path.is_dir():
+        return "is a directory; expected the path of the file to write"
+    folder = path.parent
+    if not folder.is_dir():
+        return f"its folder {str(folder)!r} does not exist"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"its folder {str(folder)!r} is not writable"
+    return None
 
 
 def _run_bench(name: str, out: Path, quick: bool, argv: Sequence[str]) -> int:

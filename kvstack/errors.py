@@ -57,3 +57,9 @@ class PageCorrupted(KVStackError):
 class StoreCorrupted(KVStackError):
     """A fact store's index or tensors file is missing, unreadable or fails its checksum: the
     store is not opened, and nothing is read from it."""
+
+
+class StoreChanged(KVStackError):
+    """A fact store was saved by another writer since this one read it (its index has another
+    serial than the one expected), or the save a reader's index names has been replaced. A
+    write that raises it wrote nothing; a read that raises it read nothing."""

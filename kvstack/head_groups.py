@@ -13,8 +13,9 @@ and reused at every step and batch size, since budgets are fractions of a sequen
 ``run_in_launch_order`` gives each worker's load when the splits run the way a GPU hands out
 thread blocks, and ``imbalance`` is max / mean of those loads.
 
-Everything here is plain Python over the profile's numbers (no tensors): it runs once, before
-serving, and its output is data for the ragged attention.
+Everything here is plain Python over the profile's numbers (budgets given as a tensor are read
+as numbers first): it runs once, before serving, and its output is data for the ragged
+attention.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from kvstack.calibrate import check_budgets
 from kvstack.errors import InvalidArgumentError
@@ -51,7 +55,7 @@ def group_heads(
     (``"adjacent"``), chunked into groups of ``heads_per_group``. When the heads do not split
     evenly, one group is short: last for adjacent heads; for sorted heads, wherever it makes the
     layer reserve least (the first of those places on a tie)."""
-    check_budgets(budgets)
+    budgets = budget_rows(budgets)
     if not (isinstance(heads_per_group, int) and heads_per_group >= 1):
         raise InvalidArgumentError(f"heads_per_group must be an int >= 1, got {heads_per_group!r}")
     if order not in ORDERS:
@@ -72,6 +76,25 @@ def group_heads(
             groups.append(HeadGroup(layer, members, max(row[head] for head in members)))
         layers.append(groups)
     return layers
+
+
+def budget_rows(budgets: Any) -> list[list[float]]:
+    """``budgets`` [layer][kv head] (nested sequences or a 2-D tensor) as lists of floats,
+    checked to be fractions in (0, 1]: a group's budget is then a number, not a 0-d tensor."""
+    if isinstance(budgets, torch.Tensor):
+        if budgets.dim() != 2:
+            raise InvalidArgumentError(
+                f"budgets has shape {tuple(budgets.shape)}; expected [layers, kv heads]"
+            )
+        budgets = budgets.tolist()
+    try:
+        rows = [[float(budget) for budget in row] for row in budgets]
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(
+            f"budgets={budgets!r}; expected rows (one per layer) of numbers (one per KV head)"
+        ) from None
+    check_budgets(rows)
+    return rows
 
 
 def _group_sizes(num_heads: int, heads_per_group: int) -> list[int]:
@@ -104,7 +127,7 @@ def overallocation(
     """What the groups' tables would reserve beyond the sum of the budgets, as a fraction of
     that sum: a count from the budgets alone (no block rounding, no tensors). The real bytes are
     the arena's, once ragged pages hold these groups."""
-    needed = sum(sum(row) for row in budgets)
+    needed = sum(sum(row) for row in budget_rows(budgets))
     reserved = sum(group.reserved for layer in groups for group in layer)
     return reserved / needed - 1.0
 
@@ -113,7 +136,8 @@ def overallocation(
 @dataclass(frozen=True)
 class Split:
     """One KV split of one head group: part ``part`` of ``parts`` equal parts of its table, the
-    key range ``[start, end)`` as fractions of the table."""
+    key range ``[start, end)`` as fractions of the table (``keys`` gives the whole keys it reads
+    of one sequence, cut the way the ragged attention cuts them)."""
 
     layer: int
     group: int  # index into the layer's groups
@@ -128,10 +152,17 @@ class Split:
     def end(self) -> float:
         return (self.part + 1) / self.parts
 
-    def work(self, groups: Sequence[Sequence[HeadGroup]], length: int) -> float:
-        """Keys this split reads for a sequence of ``length`` tokens (all its group's heads)."""
+    def keys(self, groups: Sequence[Sequence[HeadGroup]], length: int, block_size: int = 1) -> int:
+        """Whole keys this split reads of a sequence of ``length`` tokens, over all its
+        group's heads. The group's table holds ``ceil(budget * length)`` keys per head, in whole
+        blocks of ``block_size`` (the per-step planner counts a table the same way), and the
+        split reads ``[part * n // parts, (part + 1) * n // parts)`` of those n, as
+        ``kvstack.reference.ragged`` cuts them: so the splits of one sequence are not all equal,
+        and a short table leaves some of them empty."""
         group = groups[self.layer][self.group]
-        return group.reserved * length * (self.end - self.start)
+        held = math.ceil(group.budget * length / block_size) * block_size
+        start, end = self.part * held // self.parts, (self.part + 1) * held // self.parts
+        return len(group.heads) * (end - start)
 
 
 def plan_ahead_of_time(groups: Sequence[Sequence[HeadGroup]], workers: int) -> list[list[Split]]:
@@ -182,6 +213,12 @@ def plan_per_step(
         raise InvalidArgumentError(f"workers must be an int >= 1, got {workers!r}")
     if not (isinstance(block_size, int) and block_size >= 1):
         raise InvalidArgumentError(f"block_size must be an int >= 1, got {block_size!r}")
+    if not groups:
+        raise InvalidArgumentError("groups is empty; expected one layer's head groups")
+    if not lengths or not all(isinstance(n, int) and n >= 1 for n in lengths):
+        raise InvalidArgumentError(
+            f"lengths={list(lengths)!r}; expected at least one sequence length, each an int >= 1"
+        )
     keys = [
         math.ceil(group.budget * length / block_size) * block_size
         for length in lengths

@@ -67,7 +67,15 @@ def load_conversation(path: str | Path) -> Any:
         where = f"{path}: questions[{index}]"
         text = _field(entry, "text", str, where)
         answers = entry.get("answers", [])
-        questions.append(Question(f"q{index}", text, list(answers), entry.get("category", ""), []))
+        # A bare string would be read as its letters, and any answer holding one would score.
+        if not isinstance(answers, list) or not all(isinstance(a, str) and a for a in answers):
+            raise InvalidArgumentError(
+                f"{where}: answers={answers!r}; expected a list of non-empty strings"
+            )
+        category = entry.get("category", "")
+        if not isinstance(category, str):
+            raise InvalidArgumentError(f"{where}: category={category!r}; expected a string")
+        questions.append(Question(f"q{index}", text, answers, category, []))
     if not facts or not questions:
         raise InvalidArgumentError(f"{path}: expected at least one fact and one question")
     return EvaluationSet(sessions, facts, questions)
@@ -127,6 +135,14 @@ def run_memory_demo(
         if store is not None:
             memory.save()
     else:
+        # A store answers for the conversation it was built from: facts from another file
+        # would be retrieved and injected as if they were this one's.
+        stored = [fact.text for fact in memory.facts.values()]
+        if stored != [f.text for f in evaluation.facts]:
+            raise InvalidArgumentError(
+                f"store={str(store)!r} holds {len(stored)} facts that are not this conversation's "
+                f"{len(evaluation.facts)}; give a new --store directory to build one for it"
+            )
         print(f"{len(memory)} facts reopened from {store}")
     k = min(k, len(memory))
     rows, ttfts = [], {"inject": [], "prefill": []}

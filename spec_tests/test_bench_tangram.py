@@ -131,7 +131,7 @@ def test_the_uniform_profile_shares_the_same_total_evenly():
         std=tuple(tuple(0.0 for _ in row) for row in BUDGETS),
         ratio=0.25,
         alpha=2.0,
-        model={"num_hidden_layers": 2, "num_key_value_heads": 4},
+        model={"num_hidden_layers": 2, "num_key_value_heads": 4, "head_dim": 64},
         calibration={"samples": 3},
     )
     uniform = uniform_profile(profile)

@@ -132,6 +132,47 @@ def test_a_profile_for_another_model_is_refused(saved):
         )
 
 
+def test_a_profile_for_another_head_size_is_refused(saved):
+    with pytest.raises(cal.ProfileError, match="head_dim=16.*this model has head_dim=32"):
+        cal.HeadProfile.load(saved, config=tiny_llama_config(num_hidden_layers=3, head_dim=32))
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda d: d.update(ratio=None), "ratio=None; expected a number"),
+        (lambda d: d.update(ratio=1.5), r"ratio=1.5; expected a fraction in \(0, 1\]"),
+        (lambda d: d.update(alpha="2"), "alpha='2'; expected a number"),
+        (lambda d: d.update(alpha=-1), "alpha=-1.0; expected a finite number"),
+        (lambda d: d.update(model="llama"), "model='llama'; expected model_identity"),
+        (lambda d: d["model"].pop("head_dim"), r"model\['head_dim'\]=None"),
+        (lambda d: d["model"].update(num_hidden_layers=4), r"model\['num_hidden_layers'\]=4; exp"),
+        (lambda d: d.update(calibration=[]), r"calibration=\[\]; expected a dict"),
+        (lambda d: d["std"].pop(), r"std has \[2, 2\] heads per layer; expected 3 layers"),
+    ],
+)
+def test_a_profile_with_a_malformed_field_is_refused(saved, edit, match):
+    data = json.loads(saved.read_text())
+    edit(data)
+    saved.write_text(json.dumps(data))
+    with pytest.raises(cal.ProfileError, match=match):
+        cal.HeadProfile.load(saved)
+
+
+def test_a_failed_save_leaves_the_old_profile_and_no_temporary_file(saved, monkeypatch):
+    before = saved.read_text()
+    profile = cal.HeadProfile.load(saved)
+
+    def fail(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cal.os, "replace", fail)
+    with pytest.raises(OSError, match="No space left"):
+        profile.save(saved)
+    assert saved.read_text() == before
+    assert sorted(p.name for p in saved.parent.iterdir()) == [saved.name]
+
+
 @pytest.mark.parametrize("budget", [0.0, -0.1, 1.5, float("nan")])
 def test_budgets_outside_zero_one_are_refused(saved, budget):
     data = json.loads(saved.read_text())
@@ -249,3 +290,34 @@ def test_calibrate_command_refuses_bad_options_before_loading_a_model(
     assert exit_info.value.code == 2
     assert match in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "where, match",
+    [("folder", "is a directory"), ("missing/profile.json", "does not exist")],
+)
+def test_calibrate_command_refuses_an_out_path_it_could_not_write_before_loading_a_model(
+    tmp_path, capsys, monkeypatch, where, match
+):
+    import kvstack.demo
+    from kvstack.cli import main
+
+    monkeypatch.setattr(kvstack.demo, "load_model", lambda *a: pytest.fail("model loaded"))
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["calibrate", "--ratio", "0.25", "--out", str(tmp_path / where)])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "--out" in error and match in error
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]  # nothing written
+
+
+def test_the_identity_of_a_composite_config_is_its_decoders_geometry():
+    from transformers import LlavaConfig
+
+    text = tiny_llama_config(num_hidden_layers=3)
+    composite = LlavaConfig(text_config=text.to_dict())
+    theirs, ours = cal.model_identity(composite), cal.model_identity(text)
+    geometry = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim")
+    assert {key: theirs[key] for key in geometry} == {key: ours[key] for key in geometry}
+    assert theirs["config_sha256"] != ours["config_sha256"]  # the hash covers the whole config

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -560,3 +561,147 @@ def test_a_store_of_thousands_of_facts_saves_reopens_retrieves_and_injects(tmp_p
     assert keys.shape[1] == len(again.prefix_ids) + sum(
         len(again.facts[f].token_ids) for f in chosen
     )
+
+
+# --------------------------------------------------------------------------- writers and serials
+def store_files(path) -> dict[str, bytes]:
+    """Every file of a store directory and its bytes (the lock file is empty)."""
+    return {f.name: f.read_bytes() for f in sorted(path.iterdir())}
+
+
+def test_a_save_over_another_writers_save_raises_store_changed_and_writes_nothing(tmp_path):
+    from kvstack.facts import StoreChanged
+
+    first, second = memory(path=tmp_path), memory(path=tmp_path)  # both find no store
+    first.add(FACTS[0])
+    first.save()
+    assert first._serial == 0
+    second.add(FACTS[1])
+    before = store_files(tmp_path)
+    with pytest.raises(StoreChanged, match="at serial 0 .*expected serial None"):
+        second.save()  # would drop first's fact
+    assert store_files(tmp_path) == before and second._serial is None
+    # A memory that opened the store at serial 0 is refused once first saves serial 1.
+    third = memory(path=tmp_path)
+    assert third._serial == 0
+    first.add(FACTS[2])
+    first.save()
+    third.add(FACTS[3])
+    before = store_files(tmp_path)
+    with pytest.raises(StoreChanged, match="at serial 1 .*expected serial 0"):
+        third.save()
+    assert store_files(tmp_path) == before
+    reopened = memory(path=tmp_path)  # first's two saves, and the serials count up
+    assert [f.text for f in reopened.facts.values()] == [FACTS[0], FACTS[2]]
+    assert reopened._serial == first._serial == 1
+    reopened.add(FACTS[3])
+    reopened.save()
+    assert storage_module.read_index(tmp_path)["serial"] == reopened._serial == 2
+
+
+def test_a_save_waits_for_the_writer_lock_on_the_store(tmp_path):
+    import fcntl
+    import threading
+
+    mem = memory(path=tmp_path)
+    mem.add(FACTS[0])
+    with open(tmp_path / storage_module.LOCK, "a") as lock:  # another writer, mid-save
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        saving = threading.Thread(target=mem.save)
+        saving.start()
+        saving.join(timeout=0.5)
+        assert saving.is_alive() and not storage_module.has_store(tmp_path)
+        fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+    saving.join(timeout=30)
+    assert not saving.is_alive() and storage_module.read_index(tmp_path)["serial"] == 0
+
+
+def test_a_reader_of_a_replaced_save_gets_store_changed_and_open_tensors_outlive_it(tmp_path):
+    from kvstack.facts import StoreChanged
+
+    mem = memory(path=tmp_path)
+    mem.add(FACTS[0])
+    mem.save()
+    old_index = storage_module.read_index(tmp_path)
+    opened = storage_module.open_tensors(tmp_path, old_index)
+    keys = opened.get_tensor("f0.k").clone()
+    mem.add(FACTS[1])
+    mem.save()  # serial 1; facts.0.safetensors is removed after the new index is in place
+    assert not (tmp_path / old_index["tensors"]).exists()
+    assert torch.equal(opened.get_tensor("f0.k"), keys)  # opened before: still readable
+    with pytest.raises(StoreChanged, match=r"facts.0.safetensors \(serial 0\) was replaced"):
+        storage_module.open_tensors(tmp_path, old_index)
+    index, _ = storage_module.open_store(tmp_path)
+    assert index["serial"] == 1
+
+
+def test_write_store_refuses_a_bad_expected_serial_and_writes_nothing(tmp_path):
+    for bad in (-1, True, "0", 1.0):
+        with pytest.raises(InvalidArgumentError, match=r"expected_serial=.*expected None"):
+            storage_module.write_store(tmp_path, {}, {}, expected_serial=bad)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_save_and_kv_refuse_a_fact_without_kv_alike_and_save_writes_nothing(tmp_path):
+    mem = memory(path=tmp_path)
+    mem.add(FACTS[0])
+    mem.save()
+    mem.add(FACTS[1])
+    mem.arena.free([mem._pages.pop("f1")])  # its only K/V lost
+    before = store_files(tmp_path)
+    for call in (mem.save, lambda: mem.kv("f1")):
+        with pytest.raises(KVStackError, match=r"facts \['f1'\] have no K/V"):
+            call()
+    assert store_files(tmp_path) == before
+
+
+# --------------------------------------------------------------------------- RoPE it refuses
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+        {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "factor": 2.0,
+            "short_factor": [1.0] * 8,  # head_dim 16: one per rotated pair
+            "long_factor": [2.0] * 8,
+        },
+    ],
+    ids=["dynamic", "longrope"],
+)
+def test_a_rope_whose_frequencies_depend_on_the_length_is_refused(rope_parameters):
+    config = tiny_llama_config(rope_parameters=rope_parameters, max_position_embeddings=512)
+    kind = rope_parameters["rope_type"]
+    with pytest.raises(KVStackError, match=f"rope_type='{kind}': its frequencies depend"):
+        FactMemory(LlamaForCausalLM(config), ByteTokenizer(), embedder=word_embedder)
+
+
+def test_partial_rotary_is_refused_and_every_fixed_rope_type_is_accepted():
+    from transformers import PhiConfig, PhiForCausalLM
+
+    config = PhiConfig(  # Phi rotates half of each head (partial_rotary_factor 0.5)
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+    )
+    with pytest.raises(KVStackError, match="partial rotary .*8 of head_dim 16"):
+        FactMemory(PhiForCausalLM(config), ByteTokenizer(), embedder=word_embedder)
+    for rope in sorted(ROPE_PARAMETERS):  # default, linear, llama3, yarn
+        assert len(memory(tiny_model(rope))) == 0
+
+
+def test_transfer_params_name_the_store_by_an_absolute_path(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from kvstack.vllm import PARAMS_KEY, transfer_params
+
+    monkeypatch.chdir(tmp_path)
+    params = transfer_params(SimpleNamespace(path=Path("stores/memory")), ["f1"])
+    # vLLM's processes need not share this working directory.
+    assert params[PARAMS_KEY] == {"store": str(tmp_path / "stores" / "memory"), "facts": ["f1"]}
+    with pytest.raises(InvalidArgumentError, match="memory has no path"):
+        transfer_params(SimpleNamespace(path=None), ["f1"])

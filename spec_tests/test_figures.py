@@ -305,3 +305,19 @@ def test_both_make_bench_targets_run_every_cpu_suite_once():
     for name in ("BENCH_LANE_A", "BENCH_LANE_B", "BENCH_ALONE"):
         lanes += re.search(rf"^{name} := (.*)$", makefile, re.M).group(1).split()
     assert sorted(lanes) == cpu_suites
+
+
+def test_a_percent_figures_target_reads_in_percent_like_its_value():
+    from kvstack.bench.suite import figure_table
+
+    results = {
+        "figures": {
+            "share": {"value": 0.071, "unit": "percent", "met": False,
+                      "target": {"comparison": "<=", "value": 0.02}},
+            "ratio": {"value": 1.5, "unit": "ratio", "met": True,
+                      "target": {"comparison": ">=", "value": 1.2}},
+        }
+    }  # fmt: skip
+    rows = figure_table(results, ["share", "ratio"]).splitlines()
+    assert rows[2] == "| `share` | 7.1% | <= 2.0% | missed |"
+    assert rows[3] == "| `ratio` | 1.5 | >= 1.2 | met |"

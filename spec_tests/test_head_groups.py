@@ -87,8 +87,39 @@ def test_the_ahead_of_time_list_tiles_every_group_in_about_tau_sized_splits(
             assert len(mine) == max(1, round(group.reserved / tau))
             assert mine[0].start == 0.0 and mine[-1].end == 1.0
             assert all(a.end == b.start for a, b in zip(mine, mine[1:], strict=False))
-        total = sum(split.work(groups, 1000) for split in splits)
-        assert total == pytest.approx(1000 * sum(g.reserved for g in layer_groups))
+        # In whole keys, the splits of a group read its whole table, each key once.
+        for length in (1, 37, 1000):
+            total = sum(split.keys(groups, length) for split in splits)
+            assert total == sum(len(g.heads) * math.ceil(g.budget * length) for g in layer_groups)
+
+
+@given(
+    budgets=profiles,
+    workers=st.integers(1, 40),
+    length=st.integers(1, 3000),
+    block_size=st.sampled_from([1, 16]),
+)
+def test_a_split_reads_the_whole_keys_the_ragged_attention_gives_it(
+    budgets, workers, length, block_size
+):
+    groups = hg.group_heads(budgets, 2)
+    for splits in hg.plan_ahead_of_time(groups, workers):
+        for split in splits:
+            group = groups[split.layer][split.group]
+            held = math.ceil(group.budget * length / block_size) * block_size
+            # kvstack.reference.ragged: part p of n reads keys [p * used // n, (p + 1) * used // n)
+            keys = range(split.part * held // split.parts, (split.part + 1) * held // split.parts)
+            assert split.keys(groups, length, block_size) == len(group.heads) * len(keys)
+
+
+def test_budgets_given_as_a_tensor_group_like_the_same_numbers():
+    torch = pytest.importorskip("torch")
+    rows = [[0.9, 0.1, 0.8, 0.2], [0.5, 0.5, 0.25, 0.25]]
+    groups = hg.group_heads(torch.tensor(rows, dtype=torch.float64), 2)
+    assert groups == hg.group_heads(rows, 2)
+    assert all(type(group.budget) is float for layer in groups for group in layer)
+    with pytest.raises(InvalidArgumentError, match=r"budgets has shape \(4,\)"):
+        hg.group_heads(torch.tensor(rows[0]), 2)
 
 
 @given(
@@ -144,6 +175,10 @@ def test_the_per_step_plan_cuts_exactly_the_batchs_work_into_one_wave(
         (lambda: hg.plan_per_step(hg.group_heads([[0.5]], 1)[0], [8], 0), "workers must be"),
         (lambda: hg.plan_per_step(hg.group_heads([[0.5]], 1)[0], [8], 4, 0), "block_size must"),
         (lambda: hg.imbalance([0.0, 0.0]), "positive total"),
+        (lambda: hg.plan_per_step([], [8], 4), "groups is empty"),
+        (lambda: hg.plan_per_step(hg.group_heads([[0.5]], 1)[0], [], 4), r"lengths=\[\]"),
+        (lambda: hg.plan_per_step(hg.group_heads([[0.5]], 1)[0], [0], 4), r"lengths=\[0\]"),
+        (lambda: hg.group_heads([["a", 0.5]], 1), "expected rows"),
     ],
 )
 def test_bad_input_is_refused(call, match):

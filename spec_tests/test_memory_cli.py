@@ -32,6 +32,12 @@ def test_the_example_conversation_file_loads_back_as_the_evaluation_set(tmp_path
           "questions": [{"text": "q"}]}, r"facts\[0\]: session 0, turn 4 does not exist"),
         ({"sessions": [{"turns": "a"}]}, r"sessions\[0\]: expected a list field 'turns'"),
         ({"facts": []}, "expected a list field 'sessions'"),
+        ({"sessions": [{"turns": ["a"]}], "facts": [{"session": 0, "turn": 0, "text": "x"}],
+          "questions": [{"text": "q", "answers": "Biscuit"}]},
+         r"questions\[0\]: answers='Biscuit'; expected a list of non-empty strings"),
+        ({"sessions": [{"turns": ["a"]}], "facts": [{"session": 0, "turn": 0, "text": "x"}],
+          "questions": [{"text": "q", "answers": ["a"], "category": 3}]},
+         r"questions\[0\]: category=3; expected a string"),
     ],
 )  # fmt: skip
 def test_a_bad_conversation_file_is_refused_naming_the_entry(tmp_path, record, message):
@@ -68,3 +74,12 @@ def test_memory_answers_questions_and_reopens_its_store(tmp_path, capsys):
     assert "median time to first token with 2 facts" in first
     assert main(args) == 0  # the second run reopens the saved memory instead of encoding
     assert "2 facts reopened from" in capsys.readouterr().out
+    # The same store with another conversation's facts is refused, and left as it was.
+    files = {f.name: f.read_bytes() for f in store.iterdir()}
+    record = json.loads(path.read_text())
+    record["facts"][1]["text"] = "Maya lives in Porto."
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(record))
+    with pytest.raises(InvalidArgumentError, match="not this conversation's 2; give a new"):
+        main(["memory", "--conversation", str(other), "-k", "2", "--store", str(store)])
+    assert {f.name: f.read_bytes() for f in store.iterdir()} == files

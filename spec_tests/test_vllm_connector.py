@@ -67,8 +67,9 @@ def test_facts_loaded_through_the_connector_skip_prefill_and_keep_vllms_tokens(t
 
 def test_the_scheduler_side_reloads_resumed_requests_and_refuses_what_it_cannot_serve():
     """Without an engine: prefix caching is refused, a request resumed after preemption gets
-    its facts loaded into its new blocks, a store of another geometry is not loaded, and a load
-    that fails on the worker is reported by its blocks instead of raising."""
+    its facts loaded into its new blocks, a store of another geometry is not loaded, a load
+    that fails on the worker is reported by its blocks instead of raising, a load reads only
+    the save the scheduler matched, and a sharded (parallel) vLLM is refused."""
     env = os.environ | {"PYTHONPATH": str(ROOT)}
     result = run_in_vllm_venv("vllm_connector_units.py", env=env, timeout=300)
     assert "needs enable_prefix_caching=False" in result["prefix_caching"]
@@ -79,3 +80,16 @@ def test_the_scheduler_side_reloads_resumed_requests_and_refuses_what_it_cannot_
     # A worker-side load that fails is reported by its blocks, once, and does not raise.
     assert result["failed_blocks"] == result["gone_blocks"] and result["failed_again"] == []
     assert result["good_written"]
+    # Saved again between the match and the load: that load fails (its blocks reported, none
+    # written); a load matched against the new save is written.
+    assert (result["pinned_serial"], result["serial_now"]) == (0, 1)
+    assert result["stale_failed_blocks"] == result["stale_blocks"] and result["stale_untouched"]
+    assert result["current_written"]
+    assert result["one_worker"] == 2
+    for name, field in [
+        ("tensor_parallel", "'tensor_parallel_size': 2"),
+        ("pipeline_parallel", "'pipeline_parallel_size': 2"),
+        ("decode_context_parallel", "'decode_context_parallel_size': 2"),
+    ]:
+        assert result[name].startswith("InvalidArgumentError: FactConnector got parallel_config")
+        assert field in result[name] and "expected 1 each" in result[name]

@@ -14,6 +14,7 @@ def main() -> None:
     from transformers import LlamaForCausalLM
 
     from kvstack.facts import FactMemory
+    from kvstack.vllm import transfer_params
     from kvstack.vllm.connector import FactConnector, FactConnectorMetadata, FactLoad, SavedFacts
     from spec_tests.tiny import tiny_llama_config
 
@@ -37,8 +38,8 @@ def main() -> None:
     # blocks: its facts are loaded into them.
     connector = FactConnector.__new__(FactConnector)
     connector._pending = {
-        "resumed": FactLoad("resumed", "store", ["f0"], 0, 20),
-        "waiting": FactLoad("waiting", "store", ["f1"], 0, 10),
+        "resumed": FactLoad("resumed", "store", 0, ["f0"], 0, 20),
+        "waiting": FactLoad("waiting", "store", 0, ["f1"], 0, 10),
     }
     output = SimpleNamespace(
         scheduled_new_reqs=[],
@@ -75,9 +76,9 @@ def main() -> None:
         tokens = len(memory.facts[fact_id].token_ids)
         used = -(-tokens // 4)  # blocks of 4 tokens each load writes
         worker._caches = [torch.zeros(2 * used + 1, heads, 4, 2 * head_dim) for _ in range(2)]
-        good = FactLoad("good", path, [fact_id], 0, tokens, block_ids=list(range(used)))
+        good = FactLoad("good", path, 0, [fact_id], 0, tokens, block_ids=list(range(used)))
         gone_blocks = list(range(used + 1, 2 * used + 1))
-        gone = FactLoad("gone", f"{path}/gone", [fact_id], 0, tokens, block_ids=gone_blocks)
+        gone = FactLoad("gone", f"{path}/gone", 0, [fact_id], 0, tokens, block_ids=gone_blocks)
         worker.bind_connector_metadata(FactConnectorMetadata(loads=[gone, good]))
         worker.start_load_kv(None)
         results["failed_blocks"] = sorted(worker.get_block_ids_with_load_errors())
@@ -86,6 +87,57 @@ def main() -> None:
         written = [bool(c[:used].abs().sum(dim=(1, 2, 3)).gt(0).all()) for c in worker._caches]
         untouched = [bool(c[used:].eq(0).all()) for c in worker._caches]
         results["good_written"] = all(written) and all(untouched)
+
+        # A load names the save the scheduler matched: saved again before the worker loads it,
+        # the store's K/V are refused (reported by their blocks, nothing written), while a load
+        # matched against the new save is written.
+        scheduler = FactConnector.__new__(FactConnector)
+        scheduler.hf_config, scheduler._stores = model.config, {}
+        scheduler._pending, scheduler._matched = {}, {}
+        request = SimpleNamespace(
+            request_id="pinned",
+            kv_transfer_params=transfer_params(memory, [fact_id]),
+            prompt_token_ids=memory.prompt_ids(memory.prefix, [fact_id], "Who?"),
+            num_computed_tokens=0,
+        )
+        matched, _ = scheduler.get_num_new_matched_tokens(request, 0)
+        memory.add("Tom bakes bread in Lisbon.")
+        memory.save()  # serial 1, between the match and the allocation
+        scheduler.update_state_after_alloc(request, None, matched)
+        pinned = scheduler._pending["pinned"]
+        results["pinned_serial"], results["serial_now"] = pinned.serial, SavedFacts(path).serial
+        for cache in worker._caches:
+            cache.zero_()
+        pinned.block_ids = list(range(used))
+        current = FactLoad("current", path, 1, [fact_id], 0, tokens, list(range(used, 2 * used)))
+        worker.bind_connector_metadata(FactConnectorMetadata(loads=[pinned, current]))
+        worker.start_load_kv(None)
+        results["stale_failed_blocks"] = sorted(worker.get_block_ids_with_load_errors())
+        results["stale_blocks"] = pinned.block_ids
+        results["stale_untouched"] = all(bool(c[:used].eq(0).all()) for c in worker._caches)
+        results["current_written"] = all(
+            bool(c[used : 2 * used].abs().sum(dim=(1, 2, 3)).gt(0).all()) for c in worker._caches
+        )
+
+    # Tensor, pipeline or context parallelism: refused when the worker registers its caches.
+    def parallel(**sizes):
+        base = dict(tensor_parallel_size=1, pipeline_parallel_size=1, world_size=1)
+        return SimpleNamespace(parallel_config=SimpleNamespace(**(base | sizes)))
+
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(2, 2, 4, 32) for i in (1, 0)}
+    for name, sizes in {
+        "one_worker": {},
+        "tensor_parallel": dict(tensor_parallel_size=2, world_size=2),
+        "pipeline_parallel": dict(pipeline_parallel_size=2, world_size=2),
+        "decode_context_parallel": dict(decode_context_parallel_size=2),
+    }.items():
+        worker = FactConnector.__new__(FactConnector)
+        worker._vllm_config, worker._caches = parallel(**sizes), []
+        try:
+            worker.register_kv_caches(caches)
+            results[name] = len(worker._caches)
+        except ValueError as error:
+            results[name] = f"{type(error).__name__}: {error}"
     print("RESULT " + json.dumps(results))
 
 

@@ -15,7 +15,10 @@ stored re-rotated to position 0 (``rerotate_keys`` by minus their positions: a p
 so the model's ``attention_scaling`` stays in them as the model put it there), and injected by
 re-rotating them to the positions the assembled prompt gives them. Both rotations use the
 model's own rotary embedding, so this is exact for default, linear, llama3 and yarn RoPE (any
-whose frequencies do not depend on the sequence length). Values carry no position.
+whose frequencies do not depend on the sequence length). Values carry no position. Refused at
+construction: "dynamic" and "longrope" RoPE (their frequencies follow the length of each forward
+pass, so the turn a key got in its encoding pass is not the one its prompt would give it) and
+partial rotary (``partial_rotary_factor`` < 1: ``rerotate_keys`` turns every dimension).
 
 **Storage.** Each fact's K/V is one page of a ``KVArena`` (the memory's own, growing in
 segments, or one shared with the caches that serve the requests): stored once, read by every
@@ -67,6 +70,38 @@ def rotate_keys_by(keys: torch.Tensor, positions: torch.Tensor, rotary: Any) -> 
     flat = keys.transpose(0, 1).reshape(count, layers * heads, head_dim)  # [T, L * H_kv, D]
     turned = ops.get("rerotate_keys")(flat, positions, rotary)
     return turned.reshape(count, layers, heads, head_dim).transpose(0, 1)
+
+
+def rope_refusal(config: Any, rotary: Any = None) -> str | None:
+    """Why keys rotated by the RoPE of ``config`` (a text config; ``rotary``: its rotary module,
+    when there is one) cannot be re-rotated exactly; None when they can. Transformers 5 spells
+    the parameters ``config.rope_parameters`` (``rope_scaling`` before; ``type`` for
+    ``rope_type`` in older configs); the module's own ``rope_type`` is what it runs."""
+    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    parameters = parameters if isinstance(parameters, dict) else {}
+    rope_type = getattr(rotary, "rope_type", None) or parameters.get(
+        "rope_type", parameters.get("type", "default")
+    )
+    if not isinstance(rope_type, str):  # one RoPE per layer type: windowed layers, refused too
+        return f"rope_type={rope_type!r} differs by layer type; expected one RoPE for every layer"
+    # Transformers' own test for a length-dependent update (dynamic_rope_update) is this one.
+    if "dynamic" in rope_type or rope_type == "longrope":
+        return (
+            f"rope_type={rope_type!r}: its frequencies depend on the sequence length, so a key "
+            "rotated in its encoding pass cannot be re-rotated exactly to a prompt's position; "
+            "expected a RoPE with fixed frequencies (default, linear, llama3, yarn)"
+        )
+    factor = parameters.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    inv_freq = getattr(rotary, "inv_freq", None)
+    rotary_dim = head_dim if inv_freq is None else 2 * inv_freq.numel()
+    if (factor is not None and factor < 1) or rotary_dim < head_dim:
+        return (
+            f"partial rotary (rope_type={rope_type!r}, partial_rotary_factor={factor!r}: "
+            f"{rotary_dim} of head_dim {head_dim} dimensions rotated); expected every dimension "
+            "rotated, which is what re-rotating the stored keys does"
+        )
+    return None
 
 
 def _rotary(model: Any) -> torch.nn.Module:
@@ -162,6 +197,9 @@ class FactMemory:
                 )
         self.model, self.tokenizer = model, tokenizer
         self.rotary = _rotary(model)
+        refusal = rope_refusal(model.config.get_text_config(decoder=True), self.rotary)
+        if refusal is not None:
+            raise KVStackError(f"FactMemory cannot serve {type(model).__name__}: {refusal}")
         self.identity = model_identity(model)
         self.context_turns = context_turns
         if not isinstance(prefix, str):
@@ -195,6 +233,9 @@ class FactMemory:
         # Computed on first use (prefix_kv), or read from a reopened store.
         self._prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None
         self._stored: Any = None  # the reopened store's tensors (read lazily)
+        # The serial of the store this memory opened or last saved (None: none yet). A save
+        # names it, and is refused (StoreChanged) if another writer saved in between.
+        self._serial: int | None = None
         self.path = None if path is None else storage.check_directory(path)
         if self.path is not None and storage.has_store(self.path):
             self._open()
@@ -348,9 +389,21 @@ class FactMemory:
         """Return to the arena the pages of every fact the store on disk holds (the memory
         keeps its facts' text and embeddings, and reads their K/V back on use). Facts added
         since the last ``save()`` keep their pages: their K/V is nowhere else."""
-        saved = set(self._stored.keys()) if self._stored is not None else set()
+        saved = self._saved_names()
         released = [f for f in self._pages if f"{f}.k" in saved]
         self.arena.free([self._pages.pop(f) for f in released])
+
+    def _saved_names(self) -> set[str]:
+        """The tensor names of the store this memory opened or last saved."""
+        return set(self._stored.keys()) if self._stored is not None else set()
+
+    def _check_kv_exists(self, fact_ids: Sequence[str]) -> None:
+        """Every fact of ``fact_ids`` has its K/V in a page or in the saved store (what
+        ``_resident`` reads back and ``save`` writes from)."""
+        saved = self._saved_names()
+        lost = [f for f in fact_ids if f not in self._pages and f"{f}.k" not in saved]
+        if lost:
+            raise KVStackError(f"facts {lost} have no K/V: neither a page nor the saved store")
 
     @property
     def bytes_held(self) -> int:
@@ -362,10 +415,7 @@ class FactMemory:
         missing = [f for f in dict.fromkeys(fact_ids) if f not in self._pages]
         if not missing:  # the usual case: no need to list the store's tensors
             return
-        saved = set(self._stored.keys()) if self._stored is not None else set()
-        lost = [f for f in missing if f"{f}.k" not in saved]
-        if lost:
-            raise KVStackError(f"facts {lost} have no K/V: neither a page nor the saved store")
+        self._check_kv_exists(missing)
         self._store_pages(
             {
                 f: (self._stored.get_tensor(f"{f}.k"), self._stored.get_tensor(f"{f}.v"))
@@ -549,16 +599,15 @@ class FactMemory:
 
     # ------------------------------------------------------------------ persistence
     def save(self) -> None:
-        """Write every fact (text, tokens, K/V, embedding) to ``path``, atomically."""
+        """Write every fact (text, tokens, K/V, embedding) to ``path``, atomically. Raises
+        ``StoreChanged`` (and writes nothing) when another writer saved to ``path`` since this
+        memory opened or last saved it: writing on would drop that save's facts."""
         if self.path is None:
             raise InvalidArgumentError("this memory has no path; build it with path=")
+        self._check_kv_exists(list(self.facts))
         tensors = {"vectors": self._vectors}
         if self.prefix_ids:
             tensors["prefix.k"], tensors["prefix.v"] = self.prefix_kv()
-        saved = set(self._stored.keys()) if self._stored is not None else set()
-        lost = [f for f in self.facts if f not in self._pages and f"{f}.k" not in saved]
-        if lost:
-            raise KVStackError(f"facts {lost} have no K/V: neither a page nor the saved store")
         for fact_id, fact in self.facts.items():
             # A released fact is written from the store it was read from, not brought back into
             # the arena first: saving a memory takes none of the arena's pages.
@@ -586,11 +635,13 @@ class FactMemory:
                 for f in self.facts.values()
             ],
         }
-        storage.write_store(self.path, index, tensors)
-        self._stored = storage.open_tensors(self.path, storage.read_index(self.path))
+        record, self._stored = storage.write_store(
+            self.path, index, tensors, expected_serial=self._serial
+        )
+        self._serial = record["serial"]
 
     def _open(self) -> None:
-        index = storage.read_index(self.path)
+        index, stored = storage.open_store(self.path)
         if index["model"] != self.identity:
             raise InvalidArgumentError(
                 f"the fact store in {str(self.path)!r} was built for another model: "
@@ -612,7 +663,6 @@ class FactMemory:
                 f"context_turns={index.get('context_turns')!r}; this memory has "
                 f"context_turns={self.context_turns}"
             )
-        stored = storage.open_tensors(self.path, index)
         vectors = stored.get_tensor("vectors")
         probe = embed(self.embedder, ["probe"])
         if len(vectors) and probe.shape[1] != index["embedder"]["dim"]:
@@ -638,7 +688,7 @@ class FactMemory:
             f["id"]: Fact(f["id"], f["text"], tuple(f["token_ids"]), f["context_tokens"])
             for f in index["facts"]
         }
-        self._vectors, self._stored = vectors, stored
+        self._vectors, self._stored, self._serial = vectors, stored, index["serial"]
         if "prefix.k" in stored.keys():
             self._prefix_kv = (stored.get_tensor("prefix.k"), stored.get_tensor("prefix.v"))
 
@@ -666,4 +716,4 @@ def _forget_kvstack_step() -> None:
         attention.STEP.layer, attention.STEP.key = None, None
 
 
-__all__ = ["Fact", "FactMemory", "model_identity", "rotate_keys_by"]
+__all__ = ["Fact", "FactMemory", "model_identity", "rope_refusal", "rotate_keys_by"]

@@ -16,6 +16,7 @@ engine and worker processes).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from kvstack.errors import InvalidArgumentError
@@ -25,12 +26,16 @@ PARAMS_KEY = "kvstack_facts"  # in kv_transfer_params: {"store": path, "facts": 
 
 def transfer_params(memory: Any, fact_ids: list[str]) -> dict[str, Any]:
     """A request's ``kv_transfer_params`` for a prompt of ``memory.prompt_ids(memory.prefix,
-    fact_ids, ...)``; the memory must be saved (its ``path``)."""
+    fact_ids, ...)``; the memory must be saved (its ``path``, given to vLLM as an absolute
+    path)."""
     if memory.path is None:
         raise InvalidArgumentError(
             "memory has no path; build it with FactMemory(path=...) and save() it first"
         )
-    return {PARAMS_KEY: {"store": str(memory.path), "facts": list(fact_ids)}}
+    # Absolute: vLLM's engine core and workers read it in their own processes, whose working
+    # directory need not be this one's.
+    store = os.path.abspath(memory.path)
+    return {PARAMS_KEY: {"store": store, "facts": list(fact_ids)}}
 
 
 def fact_engine(model_dir: Any, **options: Any) -> Any:

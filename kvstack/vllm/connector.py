@@ -30,7 +30,13 @@ KV heads, head size, RoPE) is not loaded: the request is prefilled as usual, wit
 load that fails on the worker (the store deleted or damaged after the scheduler matched it)
 does not stop the worker: its blocks are reported through ``get_block_ids_with_load_errors``,
 and vLLM's ``kv_load_failure_policy`` fails the request ("fail", the default) or recomputes its
-tokens ("recompute").
+tokens ("recompute"). So does a store saved again since the scheduler matched it: a load names
+the serial of the save it matched (``FactLoad.serial``), and the worker loads K/V from that save
+only, never from a later one whose facts may hold other tokens.
+
+One worker only: the load writes every layer and KV head of the request's blocks, so tensor,
+pipeline and context parallelism (which shard them across workers) are refused when the worker
+registers its caches. Data parallelism is fine: each engine has its own connector.
 """
 
 from __future__ import annotations
@@ -48,21 +54,35 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvstack.errors import InvalidArgumentError
 from kvstack.facts import storage
-from kvstack.facts.memory import rotate_keys_by
+from kvstack.facts.memory import rope_refusal, rotate_keys_by
+from kvstack.facts.storage import StoreChanged
 from kvstack.vllm import PARAMS_KEY
 
 logger = logging.getLogger(__name__)
 
 
 class SavedFacts:
-    """A saved fact store, read-only: the tokens and the K/V of its prefix and facts."""
+    """One save of a fact store, read-only: the tokens and the K/V of its prefix and facts, and
+    its ``serial``. The index is read at once; the tensors file only when K/V are first asked
+    for (``tensors``): the scheduler, which matches tokens, never reads or checksums it."""
 
     def __init__(self, path: str) -> None:
+        self.path = path
         self.index = storage.read_index(path)
-        self.tensors = storage.open_tensors(path, self.index)
+        self.serial: int = self.index["serial"]
         self.token_ids = {f["id"]: list(f["token_ids"]) for f in self.index["facts"]}
         self.prefix_ids = list(self.index.get("prefix_ids", []))
+        self._tensors: Any = None
+
+    @property
+    def tensors(self) -> Any:
+        """This save's tensors file, opened (and checked) on first use; ``StoreChanged`` when a
+        later save has replaced it."""
+        if self._tensors is None:
+            self._tensors = storage.open_tensors(self.path, self.index)
+        return self._tensors
 
     def mismatch(self, hf_config: Any) -> str | None:
         """Why this store's K/V cannot serve a model of ``hf_config`` (None: they can). The
@@ -80,7 +100,8 @@ class SavedFacts:
         saved = {key: self.index["model"].get(key) for key in served}
         if saved != served:
             return f"the store was saved for {saved}; vLLM serves {served}"
-        return None
+        # (A store saved before FactMemory refused these RoPEs.)
+        return rope_refusal(config)
 
     def covered_tokens(self, fact_ids: list[str], prompt: list[int]) -> int:
         """How many tokens at the start of ``prompt`` are the prefix and then these facts, in
@@ -111,10 +132,12 @@ class SavedFacts:
 
 @dataclass
 class FactLoad:
-    """One request's load: its facts' tokens [start, end) into its blocks."""
+    """One request's load: its facts' tokens [start, end) into its blocks, from the save of
+    ``store`` with ``serial`` (the one the scheduler matched the prompt against)."""
 
     request_id: str
     store: str
+    serial: int
     facts: list[str]
     start: int
     end: int
@@ -136,6 +159,28 @@ def _cpu_cache_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return keys, values
 
 
+def _check_one_worker(parallel_config: Any) -> None:
+    """Refuse a vLLM that shards the KV cache over workers: a load writes every layer and KV
+    head of its blocks from one worker (tensor parallelism splits the heads, pipeline
+    parallelism the layers, context parallelism the tokens)."""
+    sizes = {
+        name: getattr(parallel_config, name, 1)  # (older vLLMs lack the context ones)
+        for name in (
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+            "prefill_context_parallel_size",
+            "decode_context_parallel_size",
+        )
+    }
+    sharded = {name: size for name, size in sizes.items() if size != 1}
+    if sharded:
+        raise InvalidArgumentError(
+            f"FactConnector got parallel_config with {sharded} (world size "
+            f"{getattr(parallel_config, 'world_size', '?')}); expected 1 each: its loads write "
+            "every layer and KV head of a request's blocks from one worker"
+        )
+
+
 def _layer_number(name: str) -> int:
     found = re.search(r"layers\.(\d+)\.", name)
     if found is None:
@@ -155,15 +200,18 @@ class FactConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.block_size = vllm_config.cache_config.block_size
         self.hf_config = vllm_config.model_config.hf_config
-        self._stores: dict[str, tuple[int, SavedFacts]] = {}  # path -> (index mtime, store)
+        self._stores: dict[str, tuple[tuple[int, int], SavedFacts]] = {}  # path -> (stat, store)
         self._pending: dict[str, FactLoad] = {}  # scheduler: loads awaiting their blocks
+        self._matched: dict[str, int] = {}  # scheduler: request -> serial its tokens matched
         self._caches: list[torch.Tensor] = []  # worker: the layers' caches, in layer order
         self._rotary: Any = None
         self._failed_blocks: set[int] = set()  # worker: blocks of loads that failed
 
     def _store(self, path: str) -> SavedFacts:
-        """The store at ``path``, read again when its index changed (a later save)."""
-        version = (Path(path) / storage.INDEX).stat().st_mtime_ns
+        """The store at ``path``, read again when its index changed (a later save). A save
+        renames a new index into place: a new inode, whatever the clock's resolution."""
+        stat = (Path(path) / storage.INDEX).stat()
+        version = (stat.st_ino, stat.st_mtime_ns)
         cached = self._stores.get(path)
         if cached is None or cached[0] != version:
             self._stores[path] = (version, SavedFacts(path))
@@ -191,6 +239,10 @@ class FactConnector(KVConnectorBase_V1):
             )
         # vLLM computes at least the prompt's last token (it needs its logits).
         covered = min(covered, len(request.prompt_token_ids) - 1)
+        # The save these tokens matched: the load must read this one (another save may hold
+        # other tokens under the same fact ids). Kept per request: another request's match can
+        # read a newer save of the same path before this one's blocks are allocated.
+        self._matched[request.request_id] = store.serial
         return max(0, covered - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
@@ -201,6 +253,7 @@ class FactConnector(KVConnectorBase_V1):
         self._pending[request.request_id] = FactLoad(
             request.request_id,
             params["store"],
+            self._matched.pop(request.request_id),
             list(params["facts"]),
             start,
             start + num_external_tokens,
@@ -227,10 +280,12 @@ class FactConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: list[int]):
         self._pending.pop(request.request_id, None)
+        self._matched.pop(request.request_id, None)
         return False, None
 
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        _check_one_worker(self._vllm_config.parallel_config)
         by_layer = sorted(kv_caches.items(), key=lambda item: _layer_number(item[0]))
         self._caches = [cache for _, cache in by_layer]
         for cache in self._caches:
@@ -267,9 +322,13 @@ class FactConnector(KVConnectorBase_V1):
     def _load(self, load: FactLoad) -> None:
         """Write one request's facts into its blocks: everything is read and checked first, so
         a failure writes nothing."""
-        keys, values = self._store(load.store).kv(
-            load.facts, load.start, load.end, self._rotary_embedding()
-        )
+        store = self._store(load.store)
+        if store.serial != load.serial:
+            raise StoreChanged(
+                f"the fact store {load.store!r} is at serial {store.serial} now; the scheduler "
+                f"matched the prompt against serial {load.serial}, whose K/V are gone"
+            )
+        keys, values = store.kv(load.facts, load.start, load.end, self._rotary_embedding())
         if keys.shape[0] != len(self._caches):
             raise ValueError(
                 f"the store holds {keys.shape[0]} layers; this model has {len(self._caches)}"
