@@ -21,7 +21,7 @@ from kvstack.facts import FactMemory, cosine_top_k
 from kvstack.facts import storage as storage_module
 from kvstack.reference.rope import rotate_keys
 from spec_tests.strategies import ROPE_PARAMETERS
-from spec_tests.tiny import tiny_llama_config
+from spec_tests.tiny import TINY_LLAMA, tiny_llama_config
 
 
 class ByteTokenizer:
@@ -392,15 +392,7 @@ def test_bad_input_raises_and_changes_nothing():
 def test_a_model_with_sliding_window_layers_is_refused():
     from transformers import MistralConfig, MistralForCausalLM
 
-    config = MistralConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        sliding_window=8,
-    )
+    config = MistralConfig(**TINY_LLAMA, sliding_window=8)
     with pytest.raises(KVStackError, match="full attention layers only"):
         FactMemory(MistralForCausalLM(config), ByteTokenizer(), embedder=word_embedder)
 
@@ -680,14 +672,7 @@ def test_a_rope_whose_frequencies_depend_on_the_length_is_refused(rope_parameter
 def test_partial_rotary_is_refused_and_every_fixed_rope_type_is_accepted():
     from transformers import PhiConfig, PhiForCausalLM
 
-    config = PhiConfig(  # Phi rotates half of each head (partial_rotary_factor 0.5)
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-    )
+    config = PhiConfig(**TINY_LLAMA)  # Phi rotates half of each head (partial_rotary_factor 0.5)
     with pytest.raises(KVStackError, match="partial rotary .*8 of head_dim 16"):
         FactMemory(PhiForCausalLM(config), ByteTokenizer(), embedder=word_embedder)
     for rope in sorted(ROPE_PARAMETERS):  # default, linear, llama3, yarn
