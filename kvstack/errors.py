@@ -44,9 +44,11 @@ class BackendUnavailable(KVStackError, RuntimeError):
 
 
 class TierFull(KVStackError, MemoryError):
-    """A memory or disk tier cannot take a page: its budget is spent or the disk is full
-    (ENOSPC). The message names the tier, the bytes asked for and the bytes free; nothing was
-    written and no page changed its home."""
+    """A memory or disk tier cannot take a page: its budget is spent and room could not be made
+    (dropping copies, demoting pages one tier down, in lossless mode dropping K/V pages), or the
+    disk is full (ENOSPC). The message names the tier, the bytes asked for and the bytes free.
+    The page asked for was not written and did not change its home; pages demoted or dropped on
+    the way stay where they went (whole, or recorded as dropped)."""
 
 
 class PageCorrupted(KVStackError):
