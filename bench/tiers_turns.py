@@ -59,7 +59,7 @@ MAX_NEW, QUICK_MAX_NEW = 16, 4
 HOST_FRACTION = 0.3
 BLOCK_SIZE = 16  # tokens per page: the engine's block size
 TRACE_SEED = 0
-REPEATS = 2  # rounds of the three sides: each round serves every turn three times (~4 min)
+REPEATS = 3  # rounds of the three sides: each round serves every turn three times
 CALIBRATION_TOKENS, CALIBRATION_CONTEXT, QUICK_CALIBRATION_CONTEXT = 128, 1024, 64
 SIDES = ("reprefill", "lru", "cost")
 
@@ -177,7 +177,9 @@ def measure_turns(
     turns, history = draw_turns(tokenizer, quick)
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4
+    # K and V of every layer, in the dtype the model's K/V are (the store's pages are).
+    itemsize = next(model.parameters()).dtype.itemsize
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * itemsize
     whole_kv = per_token * sum(history.values())
     host_bytes = int(HOST_FRACTION * whole_kv)
     longest = max(history.values())

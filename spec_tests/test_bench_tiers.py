@@ -4,6 +4,8 @@ renders from what it measured."""
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from kvstack.bench.tiers import kv_bytes_of, measure, readme_tables
@@ -80,6 +82,11 @@ def test_the_quick_run_measures_every_figure_and_its_tiered_tokens_are_exact(qui
     assert device <= 0.25 * kv  # the tails count in the quarter
     assert figures["tiers.device_kv_fraction.device25"].value == device / kv
     assert runs["all_device"]["device_hit_rate"] == 1.0
+    # The overlap figure's run fills no block while it decodes (its description says so): it
+    # stores no page, so it demotes none.
+    assert runs["device25_cost"]["bytes_demoted_in_decode"] == 0
+    assert "device25_cost run" in figures["tiers.overlap_fraction"].description
+    assert "demotes none" in figures["tiers.overlap_fraction"].description
     # Every page is read at every step: where the rules put pages cannot change the bytes.
     assert (
         figures["tiers.bytes_per_token.attention"].value
@@ -111,10 +118,20 @@ def test_the_quick_run_measures_every_figure_and_its_tiered_tokens_are_exact(qui
         per_token("page_aware") / per_token("fifo")
     )
     assert engine["recompute_preemptions"] > 0
+    # The p95 ratios are medians of each interleaved round's ratio, not ratios of pooled p95s.
+    for figure, key in (("step_p95_ratio", "step_seconds_p95"), ("tpot_p95_ratio", "tpot_p95_s")):
+        ratios = engine["adaptive_p95_ratios_of_rounds"][key]
+        assert len(ratios) == engine["repeats"]
+        assert figures[f"tiers.engine.adaptive_chunking.{figure}"].value == statistics.median(
+            ratios
+        )
     # The multi-turn runs: the store is too small for every conversation, so both rules drop
     # pages, reuse some, and every turn still makes the tokens of re-prefilling its prompt.
     assert figures["tiers.turns.tokens_equal_reprefill"].value == 1.0
     turns = quick_run.workload["turns"]
+    # The store's budget is a fraction of the K/V in the model's own dtype (fp32 here: 4 bytes).
+    per_token = 30 * 2 * 3 * 64 * 4  # SmolLM2: 30 layers, 3 KV heads of 64
+    assert turns["whole_kv_bytes"] == per_token * sum(turns["history_tokens"].values())
     for side in ("lru", "cost"):
         stats = turns["store_stats"][side]
         assert stats["drops"] > 0 and stats["reused_tokens"] > 0, side

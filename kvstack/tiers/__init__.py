@@ -15,7 +15,7 @@
 
 from kvstack.tiers.attention import ATTENTION_NAME, key_attention_mass, register
 from kvstack.tiers.cache import TieredCache, TieredLayer
-from kvstack.tiers.disk import DiskTier, decode_page, encode_page, page_nbytes
+from kvstack.tiers.disk import DiskTier, decode_page, encode_page, page_file_bytes, page_nbytes
 from kvstack.tiers.eviction import LRU, RULES, TIERS, AttentionAware, CostAware, PageInfo
 from kvstack.tiers.prefetch import Prefetcher
 from kvstack.tiers.store import TieredStore
@@ -42,5 +42,6 @@ __all__ = [
     "decode_page",
     "encode_page",
     "key_attention_mass",
+    "page_file_bytes",
     "page_nbytes",
 ]

@@ -16,9 +16,10 @@ layer's attention and MLP run.
 
 Device memory is the device tier's budget, the layers' tails, and the pages one layer gathers
 for its attention (``peak_layer_page_bytes``; fetched copies are freed after use) plus those
-of the next layer being fetched. If a tier is too full for a step (``TierFull``), the cache
-must be ``reset()``: the layers before the failing one have taken the step. This is the
-layer-wise streaming of offloading systems.
+of the next layer being fetched. This is the layer-wise streaming of offloading systems. When
+the tiers cannot take a step's new blocks, the step raises ``TierFull`` (``TieredCache`` says
+exactly when, and what is left): the layers before the failing one have taken the step, so
+the cache must be ``reset()``.
 
 **Multi-segment attention** (AsymCache; ``merge_segments=True``, with the model on the
 ``"kvstack_tiers"`` attention): a layer does not concatenate its pages into one K/V in logical
@@ -84,7 +85,7 @@ from transformers.cache_utils import CacheLayerMixin, DynamicLayer, LinearAttent
 from kvstack.arena import parse_bytes
 from kvstack.errors import InvalidArgumentError, KVStackError, PageCorrupted, TierFull
 from kvstack.tiers import attention as tiers_attention
-from kvstack.tiers.disk import Page, page_nbytes
+from kvstack.tiers.disk import DiskTier, Page, page_file_bytes, page_nbytes
 from kvstack.tiers.eviction import RULES, EvictionRule
 from kvstack.tiers.prefetch import Prefetcher, check_worker_count
 from kvstack.tiers.store import TieredStore
@@ -136,6 +137,16 @@ def _restore_states(
         layer.has_previous_state[index] = bool(flags[index])
 
 
+def _page_file_bytes(
+    batch: int, heads: int, block_size: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """The bytes of one KV page's file on the disk tier, under the shortest key a page gets
+    (``L0.B0``): its K and V, [batch, heads, block_size, head_dim] each, and the file's header
+    and checksum."""
+    empty = torch.empty(batch, heads, block_size, head_dim, dtype=dtype, device="meta")
+    return page_file_bytes("L0.B0", {"k": empty, "v": empty})
+
+
 def _token_list(token_ids: torch.Tensor | list[int]) -> list[int]:
     """One sequence's ids as a list: a [1, n] or [n] tensor, or a list."""
     if isinstance(token_ids, torch.Tensor):
@@ -152,7 +163,8 @@ def _token_list(token_ids: torch.Tensor | list[int]) -> list[int]:
 def _record_step_ids(
     cache_ref: weakref.ref, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]
 ) -> None:
-    """``recompute_with``'s forward pre-hook: hand the step's ids to the cache it runs on."""
+    """``recompute_with``'s forward pre-hook: hand the step's ids to the cache it runs on (they
+    are committed when its first attention layer takes the step's K/V)."""
     cache = cache_ref()
     # transformers >= 5.24 names the model's cache argument ``cache``, earlier ones
     # ``past_key_values`` (still accepted, with a warning).
@@ -160,6 +172,15 @@ def _record_step_ids(
         return
     ids = kwargs.get("input_ids", args[0] if args else None)
     cache.note_step_ids(ids, kwargs.get("attention_mask"), kwargs.get("position_ids"))
+
+
+def _forget_step_ids(cache_ref: weakref.ref, *hook_args: Any) -> None:
+    """``recompute_with``'s forward hook, called even when the forward raises: ids the step did
+    not commit (it failed before its first attention layer) belong to no K/V, and must not be
+    committed by a later step that reaches the cache without the pre-hook."""
+    cache = cache_ref()
+    if cache is not None:
+        cache._step_ids = None
 
 
 class TieredLayer(CacheLayerMixin):
@@ -224,6 +245,10 @@ class TieredLayer(CacheLayerMixin):
                 self.cache.store.delete(key)
             del self.page_keys[stored:]
             raise
+        if self is self.cache.attention_layers[0]:
+            # The first layer has stored the step's K/V: now its ids name tokens the cache
+            # holds (a recompute reading them may follow in this very layer).
+            self.cache.commit_step_ids(key_states.shape[-2])
         # The tail is copied out so it does not keep this step's whole K/V alive.
         self.tail_keys = keys[..., full * block :, :].clone()
         self.tail_values = values[..., full * block :, :].clone()
@@ -335,6 +360,24 @@ class TieredCache(Cache):
     pages while a layer computes; 0 fetches each page on the model's thread when it is read (no
     overlap; on a CPU with no spare core, a worker competes with the model's thread for the GIL
     and the core: ``tiers.decode_speed_ratio.device25_fetch_when_read`` measures both).
+
+    ``TierFull`` is raised in exactly two places:
+
+    * **A step** (a forward through the model), when an attention layer stores a block that
+      the step filled and the store cannot make room for it: room is made by dropping copies,
+      then demoting pages one tier down in the rule's order, and the lowest tier on is full of
+      pages that cannot go (without ``recompute_with``: any page; with it, pages that are not
+      KV, such as a save's tails, or are being copied). Left: the failing layer as it was
+      before the step (the pages it stored in this step deleted, its tail unchanged); the
+      attention layers before it have taken the step, those after it have not; pages demoted
+      (or dropped) while room was made stay where they went, whole (or recomputable). The
+      layers may disagree on the sequence's length, so ``reset()`` the cache before using it
+      again.
+    * **save()**, when the disk cannot hold every page of the conversation: no manifest is
+      written, the previous save stays in force, and the cache goes on (see ``save``).
+
+    Reads never raise it: a page is promoted only into free room, and fetched copies are
+    outside the budgets.
     """
 
     def __init__(
@@ -429,11 +472,16 @@ class TieredCache(Cache):
                 ("disk_budget", disk_budget),
             )
         }
+        # A disk page is a file: its header and checksum take room in the budget beside the
+        # K/V (checked with the shortest key a page gets: the least a file can take).
+        self.page_file_bytes = _page_file_bytes(1, kv_heads, block_size, head_dim, self.dtype)
         for name, budget in budgets.items():
-            if 0 < budget < self.page_bytes:
+            needed = self.page_file_bytes if name == "disk_budget" else self.page_bytes
+            if 0 < budget < needed:
+                what = "a page file" if name == "disk_budget" else "K and V"
                 raise InvalidArgumentError(
-                    f"{name}={budget} cannot hold one page of {self.page_bytes} bytes (K and V "
-                    f"of {block_size} tokens); expected 0 (tier off) or at least {self.page_bytes}"
+                    f"{name}={budget} cannot hold one page of {needed} bytes ({what} of "
+                    f"{block_size} tokens); expected 0 (tier off) or at least {needed}"
                 )
         if budgets["device_budget"] == 0:
             raise InvalidArgumentError(
@@ -448,6 +496,7 @@ class TieredCache(Cache):
             device=device,
             rule=policy,
             min_page_bytes=self.page_bytes,
+            min_page_file_bytes=self.page_file_bytes,
             may_drop=recompute_with is not None,
         )
         disk = self.store.disk
@@ -483,6 +532,9 @@ class TieredCache(Cache):
         self._config = config
         self._recompute_model = recompute_with
         self._token_ids: torch.Tensor | None = None
+        # The ids of the step under way: recorded before the forward (``note_step_ids``),
+        # committed to ``_token_ids`` when the first attention layer stores the step's K/V.
+        self._step_ids: torch.Tensor | None = None
         self._recomputed: dict[str, Page] = {}
         self.recomputes = 0
         self.damaged_pages_recomputed = 0
@@ -490,10 +542,16 @@ class TieredCache(Cache):
         self.recompute_seconds = 0.0
         if recompute_with is not None:
             # The hook holds the cache weakly; it is removed when the cache goes.
-            hook = recompute_with.register_forward_pre_hook(
-                functools.partial(_record_step_ids, weakref.ref(self)), with_kwargs=True
-            )
-            weakref.finalize(self, hook.remove)
+            hooks = [
+                recompute_with.register_forward_pre_hook(
+                    functools.partial(_record_step_ids, weakref.ref(self)), with_kwargs=True
+                ),
+                recompute_with.register_forward_hook(
+                    functools.partial(_forget_step_ids, weakref.ref(self)), always_call=True
+                ),
+            ]
+            for hook in hooks:
+                weakref.finalize(self, hook.remove)
 
     def attention_needed(self) -> str:
         """Why this cache needs the ``"kvstack_tiers"`` attention, and how to give it."""
@@ -609,8 +667,11 @@ class TieredCache(Cache):
         self, input_ids: torch.Tensor | None, attention_mask: Any, position_ids: Any = None
     ) -> None:
         """Record a step's token ids before the model runs it (``recompute_with``'s forward
-        pre-hook): what a dropped page is recomputed from. Refuses, changing nothing, a step it
-        could not recompute."""
+        pre-hook): what a dropped page is recomputed from. They are held aside until the first
+        attention layer stores the step's K/V (``commit_step_ids``): a forward that fails or is
+        refused before that leaves no ids for tokens without K/V. Refuses, changing nothing, a
+        step it could not recompute."""
+        self._step_ids = None  # a step before this one that never reached the cache
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise InvalidArgumentError(
                 "TieredCache(recompute_with=model) recomputes dropped pages from each step's "
@@ -641,7 +702,16 @@ class TieredCache(Cache):
                 f"the K/V of {seen}: a step reached it through another module than the model "
                 "it was built with"
             )
-        ids = input_ids.detach().to("cpu", torch.long)
+        self._step_ids = input_ids.detach().to("cpu", torch.long)  # [B, T]
+
+    def commit_step_ids(self, tokens: int) -> None:
+        """Append the recorded step's ids to the ids of the tokens the cache holds: called by
+        the first attention layer once it stored the step's ``tokens`` tokens of K/V. Nothing
+        to commit (a step that reached the cache without the model's pre-hook) leaves the
+        count behind, which the next step's ``note_step_ids`` refuses."""
+        ids, self._step_ids = self._step_ids, None
+        if ids is None or ids.shape[1] != tokens:
+            return
         self._token_ids = ids if self._token_ids is None else torch.cat([self._token_ids, ids], 1)
 
     def _recompute_span(
@@ -701,13 +771,18 @@ class TieredCache(Cache):
         prefix = DynamicCache(config=self._config)
         if first:
             for layer in self.attention_layers:
+                # Pages come from every tier (host and disk ones on the CPU): each goes to the
+                # layer's device before the concatenation, which needs them all on one.
                 pages = [before[key] for key in layer.page_keys[:first]]
-                keys = torch.cat([p["k"] for p in pages], dim=-2).to(self.device)  # [B, H, T, D]
-                values = torch.cat([p["v"] for p in pages], dim=-2).to(self.device)
+                keys = torch.cat([p["k"].to(layer.device) for p in pages], dim=-2)  # [B, H, T, D]
+                values = torch.cat([p["v"].to(layer.device) for p in pages], dim=-2)
                 prefix.update(keys, values, layer.layer_idx)
         model = self._recompute_model
         backbone = getattr(model, "base_model", model)  # no logits needed, only the K/V
-        span = ids[:, first * block : (last + 1) * block].to(self.device)  # [B, span]
+        # The ids go where the model embeds them: not necessarily the cache's device (a model
+        # placed across devices, or a cache built with device="cuda" for the model's cuda:1).
+        embed_device = model.get_input_embeddings().weight.device
+        span = ids[:, first * block : (last + 1) * block].to(embed_device)  # [B, span]
         cache_kwarg = (
             "cache"
             if "cache" in inspect.signature(type(backbone).forward).parameters
@@ -716,15 +791,21 @@ class TieredCache(Cache):
         with torch.no_grad():
             backbone(input_ids=span, use_cache=True, **{cache_kwarg: prefix})
         for layer, blocks in dropped.items():
-            if layer.layer_idx < requesting.layer_idx:
+            if layer.layer_idx < requesting.layer_idx or not blocks:
                 continue
             computed = prefix.layers[layer.layer_idx]  # [B, H, last + 1 blocks, D] each
             keys, values = computed.keys, computed.values
+            # Each recomputed page goes to the device, and the dtype, of the K/V the layer
+            # attends with (its tail: what the step's own K/V came as): the recompute ran
+            # wherever the model's layer runs, and it is concatenated with resident and fetched
+            # pages, or attended as a segment beside them, all of which are there. A copy in
+            # any case (``.to`` may return a view): a slice would keep the span's K/V alive.
+            target = {"device": layer.device, "dtype": layer.tail_keys.dtype}
             for index in blocks:
                 cut = slice(index * block, (index + 1) * block)
                 self._recomputed[layer.page_keys[index]] = {
-                    "k": keys[..., cut, :].clone(),
-                    "v": values[..., cut, :].clone(),
+                    "k": keys[..., cut, :].to(**target, copy=True),
+                    "v": values[..., cut, :].to(**target, copy=True),
                 }
         self.recomputes += 1
         self.recomputed_tokens += span.shape[1]
@@ -748,15 +829,17 @@ class TieredCache(Cache):
             )
         batch, heads, _, head_dim = key_states.shape
         page = 2 * batch * heads * self.block_size * head_dim * key_states.element_size()
-        for name, budget in (
-            ("device_budget", self.store.capacity["device"]),
-            ("host_budget", self.store.capacity["host"]),
-            ("disk_budget", self.store.capacity["disk"]),
+        page_file = _page_file_bytes(batch, heads, self.block_size, head_dim, key_states.dtype)
+        for name, budget, needed in (
+            ("device_budget", self.store.capacity["device"], page),
+            ("host_budget", self.store.capacity["host"], page),
+            ("disk_budget", self.store.capacity["disk"], page_file),  # a file: header and all
         ):
-            if 0 < budget < page:
+            if 0 < budget < needed:
                 raise InvalidArgumentError(
-                    f"{name}={budget} cannot hold one page of this batch ({page} bytes: batch "
-                    f"{batch}, {heads} KV heads, {key_states.dtype}); expected 0 or at least {page}"
+                    f"{name}={budget} cannot hold one page of this batch ({needed} bytes: batch "
+                    f"{batch}, {heads} KV heads, {key_states.dtype}); expected 0 or at least "
+                    f"{needed}"
                 )
 
     def _states(self) -> dict[str, torch.Tensor]:
@@ -823,9 +906,15 @@ class TieredCache(Cache):
         steps keep the save whole: its pages' disk files are not pushed out to make room (a
         step that finds no other room raises ``TierFull``), except in lossless mode
         (``recompute_with``), which drops them last; ``resume(damaged="recompute")`` then
-        recomputes from the first one dropped.
+        recomputes from the first one dropped. The save itself never drops a page: while it
+        runs the store's ``may_drop`` is off.
         ``token_ids``: the conversation's ids, at least the tokens the cache has seen (the
-        output of ``generate``; its last token, never fed back, is not saved)."""
+        output of ``generate``; its last token, never fed back, is not saved).
+
+        Raises ``TierFull`` when the disk budget (or the disk) cannot hold every page of the
+        conversation; then no manifest was written, this save's tail and state pages are
+        deleted, the previous save stays in force, and the cache goes on as it was (every page
+        keeps its home; only disk copies that no save needed may have been deleted for room)."""
         if self.store.disk is None:
             raise InvalidArgumentError(
                 "save() needs a disk tier; build the cache with disk_path and disk_budget"
@@ -843,6 +932,19 @@ class TieredCache(Cache):
                 f"token_ids has {len(ids)} tokens; expected at least the {seen} the cache has seen"
             )
         self.prefetcher.drain()
+        # While it saves, the store drops nothing (lossless mode, may_drop, is off until it
+        # returns): room made on disk for one of the save's files could otherwise drop a page
+        # that the save has written or is about to name, a page of the save still in force
+        # among them. A disk that cannot hold the conversation raises TierFull instead: every
+        # page keeps its home (disk copies not kept by the save in force may have made room).
+        may_drop, self.store.may_drop = self.store.may_drop, False
+        try:
+            self._save(ids, seen)
+        finally:
+            self.store.may_drop = may_drop
+
+    def _save(self, ids: list[int], seen: int) -> None:
+        """``save`` of ``ids`` (the first ``seen`` of them hold K/V), its checks done."""
         serial = self._save_serial + 1
         written: list[str] = []  # this save's tail and state pages
         try:
@@ -923,8 +1025,6 @@ class TieredCache(Cache):
         """The token ids ([1, n]) whose K/V a saved conversation under ``disk_path`` holds: what
         a new process continues from (the conversation's last generated token, never fed back,
         is not among them)."""
-        from kvstack.tiers.disk import DiskTier
-
         path = Path(disk_path)
         if not path.is_dir():
             raise InvalidArgumentError(f"disk_path={str(path)!r} is not a directory")
@@ -957,9 +1057,31 @@ class TieredCache(Cache):
           longest prefix whose pages are whole in every layer and deletes the rest, with a
           warning (``resume_damage`` says why), and ``generate`` recomputes from there. A
           hybrid's recurrent state cannot be rewound to that prefix: there, damage is a miss.
+
+        A resume reads the saved pages through the disk tier, so it needs one: ``disk_path``
+        must be the directory of a saved conversation and ``disk_budget`` (in ``kwargs``) at
+        least the bytes of its files; anything else is refused before the directory is touched.
         """
         if damaged not in ("raise", "recompute"):
             raise InvalidArgumentError(f"damaged={damaged!r}; expected 'raise' or 'recompute'")
+        if not isinstance(disk_path, (str, os.PathLike)):
+            raise InvalidArgumentError(
+                f"disk_path={disk_path!r}; resume() reads a saved conversation through the disk "
+                "tier: expected the directory TieredCache.save wrote it to"
+            )
+        if not Path(disk_path).is_dir():
+            raise InvalidArgumentError(
+                f"disk_path={str(disk_path)!r} holds no saved conversation (it is not a "
+                "directory); expected the directory TieredCache.save wrote one to"
+            )
+        disk_budget = kwargs.get("disk_budget", 0)
+        if parse_bytes("disk_budget", disk_budget) == 0:
+            raise InvalidArgumentError(
+                f"disk_budget={disk_budget!r}; resume() reads the saved pages through the disk "
+                "tier, so it needs one: expected at least the bytes of the saved files"
+            )
+        if DiskTier.read_record_at(Path(disk_path), MANIFEST) is None:
+            raise InvalidArgumentError(f"disk_path={str(disk_path)!r} holds no saved conversation")
         cache = cls(config, disk_path=disk_path, _resuming=True, **kwargs)
         disk = cache.store.disk
         record = disk.read_record(MANIFEST)
@@ -1116,7 +1238,7 @@ class TieredCache(Cache):
         if pending.layer is not None and pending.layer.cache is self:  # a step cut short
             pending.clear()
         super().reset()
-        self._token_ids = None
+        self._token_ids = self._step_ids = None
         self._recomputed = {}
         self._prefill_shares = {}  # a prefill cut short leaves the scores of its first layers
         self.store.keep_on_disk = set()  # the save in force is deleted below

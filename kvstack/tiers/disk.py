@@ -103,7 +103,8 @@ PAGE_SUFFIX = ".page"
 TEMP_SUFFIX = ".tmp"
 # Page keys become file names: letters, digits, '_', '-', '.'; no leading dot (temporary files
 # are hidden) and no path separators.
-KEY_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,199}")
+MAX_KEY_CHARS = 200
+KEY_PATTERN = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.\-]{{0,{MAX_KEY_CHARS - 1}}}")
 
 Page = dict[str, torch.Tensor]
 
@@ -117,7 +118,7 @@ def check_key(key: str) -> None:
     if not isinstance(key, str) or KEY_PATTERN.fullmatch(key) is None:
         raise InvalidArgumentError(
             f"page key {key!r} is not usable as a file name; expected letters, digits, '_', "
-            "'-' or '.', starting with a letter or digit, at most 200 characters"
+            f"'-' or '.', starting with a letter or digit, at most {MAX_KEY_CHARS} characters"
         )
 
 
@@ -125,23 +126,45 @@ def encode_page(key: str, page: Page) -> bytes:
     """The page file's bytes (see the module docstring)."""
     if not page:
         raise InvalidArgumentError(f"page {key!r} has no tensors; expected at least one")
-    tensors, payload = [], []
-    for name, tensor in page.items():
+    payload = []
+    for tensor in page.values():
         flat = tensor.detach().to("cpu").contiguous().reshape(-1)  # [numel]
         raw = flat.view(torch.uint8).numpy().tobytes()
-        tensors.append(
-            {
-                "name": name,
-                "dtype": str(tensor.dtype),
-                "shape": list(tensor.shape),
-                "nbytes": len(raw),
-            }
-        )
         payload.append(raw + bytes(_padding(len(raw))))
-    header = json.dumps({"key": key, "tensors": tensors}).encode()
-    header += b" " * _padding(len(MAGIC) + DIGEST_BYTES + 8 + len(header))  # JSON ignores it
+    header = _header(key, page)
     body = struct.pack("<Q", len(header)) + header + b"".join(payload)
     return MAGIC + PAGE_FORMATS[MAGIC][1](body) + body
+
+
+def page_file_bytes(key: str, page: Page) -> int:
+    """The exact bytes of the file ``encode_page(key, page)`` writes (magic, checksum, header
+    length, header and the aligned tensor bytes), from the tensors' shapes and dtypes alone:
+    ``page`` may hold meta tensors. A disk budget must hold this, not only the K/V bytes."""
+    if not page:
+        raise InvalidArgumentError(f"page {key!r} has no tensors; expected at least one")
+    tensors = sum(nbytes + _padding(nbytes) for nbytes in map(_tensor_nbytes, page.values()))
+    return len(MAGIC) + PAGE_FORMATS[MAGIC][0] + 8 + len(_header(key, page)) + tensors
+
+
+def _tensor_nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _header(key: str, page: Page) -> bytes:
+    """A page file's header: JSON naming the key and each tensor's name, dtype, shape and byte
+    count, padded with spaces (which JSON ignores) so the tensors start aligned. The writer and
+    ``page_file_bytes`` both build it here, so a file's size and its budget cannot drift."""
+    tensors = [
+        {
+            "name": name,
+            "dtype": str(tensor.dtype),
+            "shape": list(tensor.shape),
+            "nbytes": _tensor_nbytes(tensor),
+        }
+        for name, tensor in page.items()
+    ]
+    header = json.dumps({"key": key, "tensors": tensors}).encode()
+    return header + b" " * _padding(len(MAGIC) + PAGE_FORMATS[MAGIC][0] + 8 + len(header))
 
 
 def _padding(nbytes: int) -> int:
@@ -502,8 +525,13 @@ class DiskTier:
         return page
 
     def delete(self, key: str) -> None:
-        if self._sizes.pop(key, None) is not None:
-            self.file_of(key).unlink(missing_ok=True)
+        """Remove ``key``'s file (nothing if the tier holds no such page). The file goes first,
+        its accounting after: an unlink that fails (``OSError``) leaves the page named, counted
+        and readable, never a name without its file or a file the tier no longer counts."""
+        if key not in self._sizes:
+            return
+        self.file_of(key).unlink(missing_ok=True)
+        del self._sizes[key]
 
     def _fsync_directory(self) -> None:
         """Make the rename itself durable (POSIX: the directory entry lives in the directory)."""

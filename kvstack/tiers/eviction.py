@@ -28,9 +28,12 @@ a new rule cannot break the store's invariants.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from kvstack.errors import InvalidArgumentError
 
 TIERS = ("device", "host", "disk")  # fastest first; a demoted page goes one tier down
 
@@ -80,6 +83,31 @@ class CostAware:
     bandwidth: dict[str, float] = field(default_factory=lambda: {"host": 10e9, "disk": 1e9})
     seconds_per_token: float = 2e-4
     seconds_per_token_per_context: float = 2e-8
+
+    def __post_init__(self) -> None:
+        """Refuse parameters that would rank by nonsense: a NaN cost compares false with
+        everything (``sorted`` would then keep an arbitrary order), a negative one ranks the
+        dearest page first, and a missing bandwidth fails only at the first demotion there."""
+        demoted_to = TIERS[1:]  # the tiers a page can be demoted to, each priced by a bandwidth
+        if not isinstance(self.bandwidth, dict) or set(self.bandwidth) != set(demoted_to):
+            raise InvalidArgumentError(
+                f"bandwidth={self.bandwidth!r}; expected a dict with exactly the keys "
+                f"{list(demoted_to)} (bytes per second of reading a page back from each)"
+            )
+        for tier, value in self.bandwidth.items():
+            if not _real(value) or not math.isfinite(value) or value <= 0:
+                raise InvalidArgumentError(
+                    f"bandwidth[{tier!r}]={value!r}; expected a finite number of bytes per "
+                    "second > 0"
+                )
+        for name in ("seconds_per_token", "seconds_per_token_per_context"):
+            value = getattr(self, name)
+            if not _real(value) or not math.isfinite(value) or value < 0:
+                raise InvalidArgumentError(
+                    f"{name}={value!r}; expected a finite number of seconds >= 0"
+                )
+        # A copy: a later change to the caller's dict cannot slip past these checks.
+        self.bandwidth = dict(self.bandwidth)
 
     def restore_seconds(self, page: PageInfo, demote_to: str | None) -> float:
         """The cheaper of transferring the page back and recomputing its tokens."""
@@ -142,6 +170,11 @@ class CostAware:
                 p.key,
             ),
         )
+
+
+def _real(value: object) -> bool:
+    """Whether ``value`` is an int or float (a bool is neither here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 RULES = {"lru": LRU, "attention": AttentionAware, "cost": CostAware}

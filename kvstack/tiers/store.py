@@ -75,21 +75,28 @@ class TieredStore:
         device: str | torch.device = "cpu",
         rule: EvictionRule | None = None,
         min_page_bytes: int = 1,
+        min_page_file_bytes: int | None = None,
         may_drop: bool = False,
     ) -> None:
-        """``min_page_bytes``: the smallest page the caller will store; a budget that cannot
-        hold one (other than a zero budget, which switches the tier off) is refused.
-        ``may_drop``: the lowest tier on drops KV pages when full (see the module docstring)."""
+        """``min_page_bytes``: the smallest page the caller will store; a memory budget that
+        cannot hold one (other than a zero budget, which switches the tier off) is refused.
+        ``min_page_file_bytes``: the same for the disk budget, in bytes of a page's file
+        (``page_file_bytes``: its header and checksum besides its tensors; default
+        ``min_page_bytes``). ``may_drop``: the lowest tier on drops KV pages when full (see the
+        module docstring)."""
         budgets = {"device": device_bytes, "host": host_bytes, "disk": disk_bytes}
+        minimum = {"device": min_page_bytes, "host": min_page_bytes}
+        minimum["disk"] = min_page_bytes if min_page_file_bytes is None else min_page_file_bytes
         for tier, budget in budgets.items():
             if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
                 raise InvalidArgumentError(
                     f"{tier}_bytes={budget!r}; expected a non-negative number of bytes"
                 )
-            if 0 < budget < min_page_bytes:
+            if 0 < budget < minimum[tier]:
+                page = "page file" if tier == "disk" else "page"
                 raise InvalidArgumentError(
-                    f"{tier}_bytes={budget} cannot hold one page of {min_page_bytes} bytes; "
-                    f"expected 0 (tier off) or at least {min_page_bytes}"
+                    f"{tier}_bytes={budget} cannot hold one {page} of {minimum[tier]} bytes; "
+                    f"expected 0 (tier off) or at least {minimum[tier]}"
                 )
         if not isinstance(may_drop, bool):
             raise InvalidArgumentError(f"may_drop={may_drop!r}; expected a bool")
@@ -150,7 +157,9 @@ class TieredStore:
     ) -> None:
         """Store a new page with its home in ``tier``, demoting others if the tier is full.
         ``position`` and ``tokens`` (its first token's position and how many it holds) let the
-        cost-aware rule price recomputing it."""
+        cost-aware rule price recomputing it. Raises ``TierFull`` when ``make_room`` cannot free
+        the page's bytes: the page is not stored, and what was demoted or dropped on the way
+        stays so (whole, or in ``dropped``)."""
         check_key(key)
         self._check_tier(tier)
         if (
@@ -293,7 +302,7 @@ class TieredStore:
         if old == "disk" and key in self.keep_on_disk:
             info.copies.add(old)  # a save in force reads this file
         else:
-            self._erase(old, key)
+            self._erase_old_home(info, old)
 
     @_locked
     def promote(self, key: str, page: Page) -> str | None:
@@ -314,7 +323,7 @@ class TieredStore:
             if old == "disk":
                 info.copies.add(old)
             else:
-                self._erase(old, key)
+                self._erase_old_home(info, old)
             return tier
         return None
 
@@ -328,8 +337,8 @@ class TieredStore:
     def drop_copy(self, key: str, tier: str) -> None:
         info = self._info(key)
         if tier in info.copies:
+            self._erase(tier, key)  # first: a failed unlink leaves the copy named and whole
             info.copies.discard(tier)
-            self._erase(tier, key)
 
     @_locked
     def delete(self, key: str) -> None:
@@ -338,10 +347,9 @@ class TieredStore:
             self.keep_on_disk.discard(key)
             return
         info = self._info(key)
+        self._erase_everywhere(info)  # may raise (a failed unlink): then nothing changed
         del self.pages[key]
         self.keep_on_disk.discard(key)
-        for tier in (info.home, *info.copies):
-            self._erase(tier, key)
 
     @_locked
     def forget_dropped(self, key: str) -> PageInfo:
@@ -372,8 +380,7 @@ class TieredStore:
                 f"{self.may_drop} and the page holds {info.tokens} tokens; expected may_drop=True "
                 "and a KV page (tokens > 0)"
             )
-        for tier in (info.home, *info.copies):
-            self._erase(tier, key)
+        self._erase_everywhere(info)  # may raise (a failed unlink): then nothing changed
         del self.pages[key]
         info.copies = set()
         self.dropped[key] = info
@@ -540,10 +547,32 @@ class TieredStore:
 
     def _erase(self, tier: str, key: str) -> None:
         if tier == "disk":
-            self.disk.delete(key)
+            self.disk.delete(key)  # can fail (OSError); the memory tiers' pops cannot
             return
         page = self._memory[tier].pop(key)
         self._used[tier] -= page_nbytes(page)
+
+    def _erase_everywhere(self, info: PageInfo) -> None:
+        """Erase the page's bytes from its home and every copy; the caller unnames it after.
+        The disk file goes first: it is the only erase that can fail (an unlink's
+        ``OSError``), and failing first leaves every tier holding the page as before, never a
+        page whose home or copy points at bytes already gone."""
+        tiers = (info.home, *info.copies)
+        if "disk" in tiers:
+            self._erase("disk", info.key)
+        for tier in tiers:
+            if tier != "disk":
+                self._erase(tier, info.key)
+
+    def _erase_old_home(self, info: PageInfo, old: str) -> None:
+        """Erase the bytes a move or promotion left at the page's old home (its new home holds
+        it already). If that fails (an unlink's ``OSError``), the bytes stay as a copy, named
+        and counted, and the error goes on to the caller."""
+        try:
+            self._erase(old, info.key)
+        except BaseException:
+            info.copies.add(old)
+            raise
 
     def _info(self, key: str) -> PageInfo:
         try:

@@ -45,9 +45,11 @@ from transformers import DynamicCache
 
 from kvstack.errors import InvalidArgumentError, PageCorrupted
 from kvstack.serve.request import token_ids
-from kvstack.tiers.disk import check_key, encode_page
+from kvstack.tiers.disk import MAX_KEY_CHARS, check_key, page_file_bytes
 from kvstack.tiers.eviction import LRU, EvictionRule, PageInfo
 from kvstack.tiers.store import TieredStore
+
+MAX_PAGES = 10**9  # pages a conversation may hold: its names are checked up to this index
 
 
 class _RankOnly:
@@ -127,6 +129,12 @@ class TurnStore:
                 f"host_bytes={host_bytes!r} cannot hold one page of {self.page_bytes} bytes "
                 f"({block_size} tokens of {self.layers} layers); expected at least that"
             )
+        # The smallest page file: a page's K/V plus its header and checksum, under the shortest
+        # key a conversation gives (a one-character name, page 0). The store refuses a disk
+        # budget below it before it makes the tier's directory.
+        shape = (self.layers, block_size, self.kv_heads, self.head_dim)  # [L, block, H, D]
+        empty = torch.empty(shape, dtype=self.dtype, device="meta")
+        page_file = page_file_bytes(self._key("c", 0), {"k": empty, "v": empty})
         self.store = TieredStore(
             device_bytes=0,
             host_bytes=host_bytes,
@@ -134,23 +142,14 @@ class TurnStore:
             disk_bytes=disk_bytes,
             rule=_RankOnly(rule if rule is not None else TailFirstLRU()),
             min_page_bytes=self.page_bytes,
+            min_page_file_bytes=page_file,
             may_drop=True,
         )
-        if self.store.disk is not None:
-            if self.store.disk.keys():
-                raise InvalidArgumentError(
-                    f"disk_path={str(disk_path)!r} holds page files already; expected an empty "
-                    "directory (a TurnStore's disk tier spills pages, it does not reopen them)"
-                )
-            empty = torch.zeros(self.layers, block_size, self.kv_heads, self.head_dim)
-            page_file = len(
-                encode_page("probe", {"k": empty.to(self.dtype), "v": empty.to(self.dtype)})
+        if self.store.disk is not None and self.store.disk.keys():
+            raise InvalidArgumentError(
+                f"disk_path={str(disk_path)!r} holds page files already; expected an empty "
+                "directory (a TurnStore's disk tier spills pages, it does not reopen them)"
             )
-            if disk_bytes < page_file:
-                raise InvalidArgumentError(
-                    f"disk_bytes={disk_bytes} cannot hold one page file of {page_file} bytes; "
-                    "expected 0 (no disk tier) or at least that"
-                )
         self.conversations: dict[str, list[int]] = {}  # the token ids its pages hold
         self.stats = TurnStats()
 
@@ -293,6 +292,7 @@ class TurnStore:
 
     def forget(self, conversation: str) -> None:
         """Delete a conversation's pages (it ended)."""
+        self._check_conversation(conversation)
         held = self.conversations.pop(conversation, [])
         for index in range(len(held) // self.block_size):
             key = self._key(conversation, index)
@@ -368,13 +368,26 @@ class TurnStore:
             )
         return kv[0].detach().to("cpu"), kv[1].detach().to("cpu")
 
-    @staticmethod
-    def _check_conversation(conversation: Any) -> None:
+    @classmethod
+    def _check_conversation(cls, conversation: Any) -> None:
+        """Refuse a name whose pages' keys would not all be usable page keys (file names on
+        the disk tier), before anything is read or written: the key of the largest page index
+        is the longest, so if it passes every other does."""
         if not isinstance(conversation, str) or not conversation:
             raise InvalidArgumentError(
                 f"conversation={conversation!r}; expected a non-empty str naming it"
             )
-        check_key(f"{conversation}.0")
+        last = cls._key(conversation, MAX_PAGES - 1)
+        try:
+            check_key(last)
+        except InvalidArgumentError:
+            longest = MAX_KEY_CHARS - (len(last) - len(conversation))
+            raise InvalidArgumentError(
+                f"conversation={conversation!r} cannot name its pages: the key of its page "
+                f"{MAX_PAGES - 1}, {last!r}, is not usable as a file name; expected letters, "
+                f"digits, '_', '-' or '.', starting with a letter or digit, at most {longest} "
+                "characters"
+            ) from None
 
     @staticmethod
     def _key(conversation: str, index: int) -> str:
