@@ -76,11 +76,13 @@ from kvstack.bench.suite import (
     run_suite,
 )
 from kvstack.bench.timing import time_interleaved
+from kvstack.transformers_compat import cache_keyword
 
 NAME = "memory"
 DEPENDS_ON = (
     *CACHE_CODE,  # rerotate_keys; the engine's attention (throughput)
     "kvstack/facts",
+    "kvstack/transformers_compat.py",
     "kvstack/serve",
     "kvstack/arena.py",
     "kvstack/vllm",
@@ -177,7 +179,7 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
     def first_token_prefill(ids: list[int]) -> int:
         with torch.inference_mode():
             logits = model(
-                torch.tensor([ids]), past_key_values=DynamicCache(config=model.config)
+                torch.tensor([ids]), **{cache_keyword(model): DynamicCache(config=model.config)}
             ).logits
         return int(logits[0, -1].argmax())
 
@@ -186,7 +188,7 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
     ) -> int:
         with torch.inference_mode():
             cache, ids = memory.build_cache(header, fact_ids, tail, recompute_first=recompute_first)
-            logits = model(ids[:, cache.get_seq_length() :], past_key_values=cache).logits
+            logits = model(ids[:, cache.get_seq_length() :], **{cache_keyword(model): cache}).logits
         return int(logits[0, -1].argmax())
 
     # ---------------------------------------------------------------- TTFT, k facts per prompt
@@ -312,7 +314,7 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
                 warnings.simplefilter("ignore", FutureWarning)
                 out = model.generate(
                     input_ids,
-                    past_key_values=cache,
+                    **{cache_keyword(model): cache},
                     max_new_tokens=ANSWER_TOKENS,
                     do_sample=False,
                     pad_token_id=tokenizer.eos_token_id,

@@ -103,11 +103,13 @@ from kvstack.bench.tiers_engine import measure_engine
 from kvstack.bench.tiers_turns import measure_turns
 from kvstack.bench.timing import time_interleaved
 from kvstack.tiers.attention import OBSERVATION_WINDOW
+from kvstack.transformers_compat import cache_keyword
 
 NAME = "tiers"
 DEPENDS_ON = (
     *CACHE_CODE,  # multi_segment_attention, the kvstack attention, the engine's caches
     "kvstack/tiers",
+    "kvstack/transformers_compat.py",
     "kvstack/serve",  # the engine runs (bench/tiers_engine.py)
     "kvstack/workloads.py",
     "kvstack/data",
@@ -235,7 +237,7 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         """The prompt through ``cache`` (untimed) and its first token; the state ``steps``
         continues from, with the tiered cache's counters zeroed so they count decode only."""
         with torch.inference_mode():
-            logits = model(ids, past_key_values=cache, use_cache=True).logits
+            logits = model(ids, **{cache_keyword(model): cache}, use_cache=True).logits
             tokens = [int(logits[0, -1].argmax())]
             if isinstance(cache, TieredCache):  # count the decode steps only
                 cache.prefetcher.transfer_seconds = cache.prefetcher.stall_seconds = 0.0
@@ -249,7 +251,7 @@ def measure(quick: bool, log: Callable[[str], None]) -> Measured:
         with torch.inference_mode():
             for _ in range(decode_tokens - 1):
                 step = torch.tensor([[tokens[-1]]])
-                logits = model(step, past_key_values=cache, use_cache=True).logits
+                logits = model(step, **{cache_keyword(model): cache}, use_cache=True).logits
                 tokens.append(int(logits[0, -1].argmax()))
 
     configurations = {
@@ -557,7 +559,7 @@ def _recompute_overflow(
                 recompute_with=model,
             )
             with torch.inference_mode():
-                logits = model(ids, past_key_values=cache, use_cache=True).logits
+                logits = model(ids, **{cache_keyword(model): cache}, use_cache=True).logits
             prepared[policy] = {
                 "cache": cache,
                 "tokens": [int(logits[0, -1].argmax())],
@@ -573,7 +575,7 @@ def _recompute_overflow(
             with torch.inference_mode():
                 for _ in range(steps):
                     step = torch.tensor([[tokens[-1]]])
-                    logits = model(step, past_key_values=cache, use_cache=True).logits
+                    logits = model(step, **{cache_keyword(model): cache}, use_cache=True).logits
                     tokens.append(int(logits[0, -1].argmax()))
             stats = cache.stats()
             runs[policy].append(
@@ -632,7 +634,7 @@ def _resume(
         first = TieredCache(model.config, disk_path=saved, **budgets)
         conversation = model.generate(
             ids,
-            past_key_values=first,
+            **{cache_keyword(model): first},
             max_new_tokens=decode_tokens,
             min_new_tokens=decode_tokens,
             do_sample=False,
@@ -647,13 +649,15 @@ def _resume(
         cache = TieredCache.resume(model.config, disk_path=saved, token_ids=whole, **budgets)
         seen = cache.get_seq_length()
         with torch.inference_mode():
-            logits = model(whole[:, seen:], past_key_values=cache, use_cache=True).logits
+            logits = model(whole[:, seen:], **{cache_keyword(model): cache}, use_cache=True).logits
         first_tokens["resume"] = int(logits[0, -1].argmax())
         cache.close()
 
     def reprefill() -> None:
         with torch.inference_mode():
-            logits = model(whole, past_key_values=DynamicCache(config=model.config)).logits
+            logits = model(
+                whole, **{cache_keyword(model): DynamicCache(config=model.config)}
+            ).logits
         first_tokens["reprefill"] = int(logits[0, -1].argmax())
 
     timings = time_interleaved({"resume": resume, "reprefill": reprefill}, repeats, warmup=1)

@@ -41,7 +41,6 @@ means over them, medians over the rounds:
 
 from __future__ import annotations
 
-import inspect
 import random
 import statistics
 import time
@@ -51,6 +50,7 @@ from typing import Any
 import torch
 
 from kvstack.bench.suite import Figure
+from kvstack.transformers_compat import cache_keyword
 
 CONVERSATIONS, QUICK_CONVERSATIONS = 8, 3
 MAX_TURNS, QUICK_MAX_TURNS = 5, 3
@@ -130,8 +130,7 @@ def calibrate_cost(model: Any, context: int, log: Callable[[str], None]) -> tupl
     from transformers import DynamicCache
 
     backbone = model.model
-    parameters = inspect.signature(type(backbone).forward).parameters
-    cache_kwarg = "cache" if "cache" in parameters else "past_key_values"  # 5.x renamed it
+    cache_kwarg = cache_keyword(backbone)
 
     def chunk_seconds(at: int) -> float:
         ids = torch.randint(

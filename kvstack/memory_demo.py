@@ -112,8 +112,9 @@ def run_memory_demo(
     from transformers import DynamicCache
 
     from kvstack.bench.conversations import generate_conversations, score
-    from kvstack.facts.memory import FactMemory, cache_keyword
+    from kvstack.facts.memory import FactMemory
     from kvstack.models import load_smollm2
+    from kvstack.transformers_compat import cache_keyword
 
     evaluation = (
         generate_conversations(seed=0) if conversation is None else load_conversation(conversation)

@@ -37,7 +37,6 @@ lossless ``PagedCache`` (on the memory's arena or any other).
 from __future__ import annotations
 
 import hashlib
-import inspect
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -52,6 +51,7 @@ from kvstack.arena import KVArena, Page
 from kvstack.errors import InvalidArgumentError, KVStackError, StoreCorrupted
 from kvstack.facts import storage
 from kvstack.facts.embedding import MiniLMEmbedder, cosine_top_k, embed
+from kvstack.transformers_compat import cache_keyword
 
 
 @dataclass(frozen=True)
@@ -148,14 +148,6 @@ def model_identity(model: Any) -> dict[str, Any]:
 def rope_description(config: Any) -> str:
     """The text config's RoPE parameters, as a store records them."""
     return repr(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None))
-
-
-def cache_keyword(model: Any) -> str:
-    """The name ``model``'s ``forward`` takes its cache by: transformers 5.24 renamed
-    ``past_key_values`` to ``cache`` (the old name still works there, with a FutureWarning, and
-    is the only one before)."""
-    parameters = inspect.signature(type(model).forward).parameters
-    return "cache" if "cache" in parameters else "past_key_values"
 
 
 class FactMemory:

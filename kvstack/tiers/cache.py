@@ -70,7 +70,6 @@ miss (deleted, and ``generate`` recomputes it), never K/V continued from zeroed 
 from __future__ import annotations
 
 import functools
-import inspect
 import os
 import time
 import warnings
@@ -89,6 +88,7 @@ from kvstack.tiers.disk import DiskTier, Page, page_file_bytes, page_nbytes
 from kvstack.tiers.eviction import RULES, EvictionRule
 from kvstack.tiers.prefetch import Prefetcher, check_worker_count
 from kvstack.tiers.store import TieredStore
+from kvstack.transformers_compat import cache_keyword
 
 # The layer transformers gives a layer without attention or state (NemotronH's MLP layers);
 # transformers before 5.2x has none (such a model then has no such layer in its cache).
@@ -783,13 +783,8 @@ class TieredCache(Cache):
         # placed across devices, or a cache built with device="cuda" for the model's cuda:1).
         embed_device = model.get_input_embeddings().weight.device
         span = ids[:, first * block : (last + 1) * block].to(embed_device)  # [B, span]
-        cache_kwarg = (
-            "cache"
-            if "cache" in inspect.signature(type(backbone).forward).parameters
-            else "past_key_values"
-        )
         with torch.no_grad():
-            backbone(input_ids=span, use_cache=True, **{cache_kwarg: prefix})
+            backbone(input_ids=span, use_cache=True, **{cache_keyword(backbone): prefix})
         for layer, blocks in dropped.items():
             if layer.layer_idx < requesting.layer_idx or not blocks:
                 continue

@@ -34,7 +34,6 @@ One thread at a time: the engine's.
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,6 +47,7 @@ from kvstack.serve.request import token_ids
 from kvstack.tiers.disk import MAX_KEY_CHARS, check_key, page_file_bytes
 from kvstack.tiers.eviction import LRU, EvictionRule, PageInfo
 from kvstack.tiers.store import TieredStore
+from kvstack.transformers_compat import cache_keyword
 
 MAX_PAGES = 10**9  # pages a conversation may hold: its names are checked up to this index
 
@@ -324,14 +324,11 @@ class TurnStore:
                 )
         span = torch.tensor([ids[first * block : end * block]], device=device)  # [1, tokens]
         backbone = getattr(self.model, "base_model", self.model)  # only the K/V are needed
-        # transformers renamed past_key_values to cache (5.x); pass whichever it takes.
-        parameters = inspect.signature(type(backbone).forward).parameters
-        cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
         attention = self.model.config._attn_implementation
         self.model.set_attn_implementation("sdpa")  # the engine's attention needs its step
         try:
             with torch.no_grad():
-                backbone(input_ids=span, use_cache=True, **{cache_kwarg: cache})
+                backbone(input_ids=span, use_cache=True, **{cache_keyword(backbone): cache})
         finally:
             self.model.set_attn_implementation(attention)
         for index in range(first, end):
