@@ -8,11 +8,11 @@ import warnings
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaForCausalLM
+from transformers import DynamicCache
 
 from kvstack.errors import InvalidArgumentError, KVStackError
 from kvstack.tiers import ATTENTION_NAME, TieredCache
-from spec_tests.tiny import tiny_llama_config
+from spec_tests.tiny import tiny_tiers_llama
 
 
 def greedy(model, ids, cache, new_tokens, **kwargs):
@@ -30,10 +30,7 @@ def greedy(model, ids, cache, new_tokens, **kwargs):
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_llama_config(num_hidden_layers=3)).eval()
-    model.generation_config.pad_token_id = 0
-    return model
+    return tiny_tiers_llama()
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ import pathlib
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaForCausalLM
+from transformers import DynamicCache
 
 from kvstack.errors import InvalidArgumentError, TierFull
 from kvstack.tiers import (
@@ -27,7 +27,7 @@ from kvstack.tiers import (
 from spec_tests.test_tiered_cache import greedy
 from spec_tests.test_tiers import kv_page, same_page
 from spec_tests.test_tiers_recompute import PAGE, disk_file_bytes, prompt
-from spec_tests.tiny import tiny_llama_config
+from spec_tests.tiny import tiny_tiers_llama
 
 # Direct forwards pass the cache as past_key_values, which transformers 5.17 needs and 5.24
 # deprecates (generate picks the name itself).
@@ -36,10 +36,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_llama_config(num_hidden_layers=3)).eval()
-    model.generation_config.pad_token_id = 0
-    return model
+    return tiny_tiers_llama()
 
 
 def lossless(model, **budgets) -> TieredCache:

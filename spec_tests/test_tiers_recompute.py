@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import DynamicCache, LlamaForCausalLM
+from transformers import DynamicCache
 
 from kvstack.errors import InvalidArgumentError, KVStackError, PageCorrupted, TierFull
 from kvstack.tiers import (
@@ -24,17 +24,14 @@ from kvstack.tiers import (
     encode_page,
 )
 from spec_tests.test_tiered_cache import greedy, tiny_hybrid
-from spec_tests.tiny import tiny_llama_config
+from spec_tests.tiny import tiny_llama_config, tiny_tiers_llama
 
 PAGE = 2 * 16 * 2 * 16 * 4  # K and V of 16 tokens, 2 KV heads of 16 dims, fp32 (tiny model)
 
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_llama_config(num_hidden_layers=3)).eval()
-    model.generation_config.pad_token_id = 0
-    return model
+    return tiny_tiers_llama()
 
 
 def prompt(length: int, seed: int = 1) -> torch.Tensor:

@@ -11,24 +11,21 @@ import copy
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaForCausalLM
+from transformers import DynamicCache
 
 from kvstack.errors import InvalidArgumentError, KVStackError
 from kvstack.tiers import ATTENTION_NAME, TieredCache
 from kvstack.tiers import attention as tiers_attention
 from spec_tests.test_tiered_cache import greedy
 from spec_tests.test_tiered_cache import tiers_attention as on_tiers_attention
-from spec_tests.tiny import tiny_llama_config
+from spec_tests.tiny import tiny_tiers_llama
 
 PAGE = 2 * 16 * 2 * 16 * 4  # K and V of 16 tokens, 2 KV heads of 16 dims, fp32 (tiny model)
 
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_llama_config(num_hidden_layers=3)).eval()
-    model.generation_config.pad_token_id = 0
-    return model
+    return tiny_tiers_llama()
 
 
 class _Calls(list):

@@ -31,3 +31,15 @@ def tiny_serving_llama(**overrides: Any):
     model = LlamaForCausalLM(tiny_llama_config(**overrides)).eval()
     model.generation_config.eos_token_id = None
     return model
+
+
+def tiny_tiers_llama():
+    """The tiny Llama the tiers tests run: three layers (a page of one layer is fetched while
+    another computes), seeded weights (seed 0), eval mode, padding id 0."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config(num_hidden_layers=3)).eval()
+    model.generation_config.pad_token_id = 0
+    return model

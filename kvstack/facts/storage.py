@@ -54,10 +54,15 @@ READS = (1, 2)
 
 
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
+        return _sha256_of(file)
+
+
+def _sha256_of(file: Any) -> str:
+    """The SHA-256 of an open binary file's bytes from where it stands, read 1 MiB at a time."""
+    digest = hashlib.sha256()
+    for block in iter(lambda: file.read(1 << 20), b""):
+        digest.update(block)
     return digest.hexdigest()
 
 
@@ -206,10 +211,8 @@ def open_tensors(path: Path, index: dict[str, Any]) -> Any:
             if not file.exists():
                 raise _missing(path, index, file) from None
             raise StoreCorrupted(f"fact store tensors {file} cannot be read: {error}") from None
-        digest = hashlib.sha256()
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    if digest.hexdigest() != index["sha256"]:
+        sha256 = _sha256_of(handle)
+    if sha256 != index["sha256"]:
         raise StoreCorrupted(f"fact store tensors {file} fails its SHA-256 check (damaged)")
     return opened
 
