@@ -16,7 +16,7 @@ from kvstack.arena import DEFAULT_SEGMENT_BYTES, KVArena
 from kvstack.errors import ArenaExhausted, InvalidArgumentError
 from kvstack.hf import PagedCache, TokenTableCache
 from kvstack.policies import H2O, SnapKV
-from spec_tests.tiny import TINY_LLAMA
+from spec_tests.tiny import TINY_LLAMA, greedy, random_prompt, tiny_kvstack_llama
 
 TINY = {**TINY_LLAMA, "max_position_embeddings": 1024}
 HEAD_DIM = 16
@@ -32,19 +32,15 @@ def _quiet():
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**TINY)).eval()
-    model.set_attn_implementation("kvstack")
-    return model
+    return tiny_kvstack_llama()
 
 
 def prompt(length=60, seed=1):
-    return torch.randint(1, 256, (1, length), generator=torch.Generator().manual_seed(seed))
+    return random_prompt(length, seed=seed)
 
 
 def generate(model, ids, cache, **kwargs):
-    kwargs.setdefault("max_new_tokens", 12)
-    return model.generate(ids, past_key_values=cache, do_sample=False, pad_token_id=0, **kwargs)
+    return greedy(model, ids, cache, **{"max_new_tokens": 12, **kwargs})
 
 
 def test_caches_on_one_arena_give_their_solo_tokens_and_leave_it_empty(model):

@@ -19,14 +19,14 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaConfig
 
 from kvstack.arena import KVArena
 from kvstack.errors import ArenaExhausted, InvalidArgumentError, KVStackError
 from kvstack.hf import PagedCache, TokenTableCache
 from kvstack.hf import attention as kv_attention
 from kvstack.policies import H2O
-from spec_tests.tiny import TINY_LLAMA
+from spec_tests.tiny import TINY_LLAMA, greedy, random_prompt, tiny_kvstack_llama
 
 TINY = {**TINY_LLAMA, "max_position_embeddings": 1024}
 HEAD_DIM = 16
@@ -60,19 +60,15 @@ def _no_step_left_behind():
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**TINY)).eval()
-    model.set_attn_implementation("kvstack")
-    return model
+    return tiny_kvstack_llama()
 
 
 def prompt(length=20, batch=1, seed=1):
-    return torch.randint(1, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+    return random_prompt(length, batch, seed)
 
 
-def generate(model, ids, cache, **kwargs):
-    kwargs.setdefault("max_new_tokens", 8)
-    return model.generate(ids, past_key_values=cache, do_sample=False, pad_token_id=0, **kwargs)
+def generate(model, ids, cache):
+    return greedy(model, ids, cache, max_new_tokens=8)
 
 
 class Filler:

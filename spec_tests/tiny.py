@@ -43,3 +43,38 @@ def tiny_tiers_llama():
     model = LlamaForCausalLM(tiny_llama_config(num_hidden_layers=3)).eval()
     model.generation_config.pad_token_id = 0
     return model
+
+
+def tiny_kvstack_llama(**overrides: Any):
+    """The tiny Llama the Hugging Face cache tests run: a 1024-token context, seeded weights
+    (seed 0), eval mode, on the kvstack attention."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    import kvstack.hf  # noqa: F401  (registers the "kvstack" attention)
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(
+        tiny_llama_config(**{"max_position_embeddings": 1024, **overrides})
+    ).eval()
+    model.set_attn_implementation("kvstack")
+    return model
+
+
+def random_prompt(length: int, batch: int = 1, seed: int = 1):
+    """[batch, length] token ids in [1, 256), from ``seed``."""
+    import torch
+
+    return torch.randint(1, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def greedy(model, ids, cache, max_new_tokens: int, **kwargs: Any):
+    """Greedy ``generate`` of ``max_new_tokens`` through ``cache`` (padding id 0)."""
+    return model.generate(
+        ids,
+        past_key_values=cache,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        **kwargs,
+    )
